@@ -1,0 +1,24 @@
+"""gpt2attn: Hugging Face's GPT-2 as plain PyTorch modules, built for looking inside attention."""
+
+from .attention import causal_mask, scaled_dot_product_attention
+from .cache import KVCache
+from .config import GPT2Config
+from .layers import MLP, Attention, Block, Conv1D
+from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT2Config",
+    "Conv1D",
+    "Attention",
+    "MLP",
+    "Block",
+    "GPT2Model",
+    "GPT2LMHeadModel",
+    "BaseModelOutput",
+    "CausalLMOutput",
+    "KVCache",
+    "causal_mask",
+    "scaled_dot_product_attention",
+]

@@ -1,0 +1,65 @@
+"""Attention math in one place: the causal mask and softmax(q kᵀ · scale + mask) · v.
+
+`scaled_dot_product_attention` is the textbook formula and returns the weights; `Attention`
+(layers.py) calls it whenever weights are wanted or a config needs it, and otherwise calls
+PyTorch's fused `F.scaled_dot_product_attention`, which computes the same numbers.
+
+Masks are either boolean (True = may attend) or additive floats (0 = attend, very negative =
+don't), shaped to broadcast against the scores (B, nh, T_q, T_k).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> Tensor:
+    """(q_len, k_len) bool, True where query i may see key j.
+
+    Counted from the lower-right corner: with k_len - q_len cached keys in front, query i
+    sits at absolute position (k_len - q_len) + i and sees every key up to and including it.
+    """
+    past = k_len - q_len
+    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + past
+    k_pos = torch.arange(k_len, device=device).unsqueeze(0)
+    return k_pos <= q_pos
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    head_mask: Tensor | None = None,
+    upcast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q kᵀ · scale + mask) · v, returning (output, weights).
+
+    q: (B, nh, T_q, hs); k, v: (B, nh, T_k, hs); mask: bool or additive, broadcastable to
+    (B, nh, T_q, T_k). scale defaults to 1/sqrt(hs). head_mask multiplies the probabilities
+    (after dropout), broadcastable to (B, nh, 1, 1). upcast computes scores and softmax in
+    float32 with autocast off (HF's reorder_and_upcast_attn), weights cast back to v's dtype.
+    Returns output (B, nh, T_q, hs) and weights (B, nh, T_q, T_k).
+    """
+    if scale is None:
+        scale = q.size(-1) ** -0.5
+    if upcast:
+        with torch.autocast(q.device.type, enabled=False):
+            scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    else:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, nh, T_q, T_k)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = F.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    if head_mask is not None:
+        weights = weights * head_mask
+    return torch.matmul(weights, v), weights

@@ -1,0 +1,112 @@
+"""KV cache: every layer's keys and values, (B, nh, T, hs), in buffers written in place.
+
+A cache filled by one forward pass is passed back as `past_key_values` to continue the
+sequence. `generate()` preallocates the whole length up front, so decoding writes each new
+token's keys/values into place and never concatenates. A cache made by a forward pass with no
+room reserved grows by doubling. `cache[i]` is layer i's `(key, value)` as HF's legacy tuples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, n_layer: int):
+        self.keys: list[Tensor | None] = [None] * n_layer
+        self.values: list[Tensor | None] = [None] * n_layer
+        self.length = 0  # tokens cached; every layer holds this many
+
+    @classmethod
+    def preallocate(
+        cls,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> "KVCache":
+        """Room for max_len tokens per layer, so no update ever reallocates."""
+        cache = cls(n_layer)
+        shape = (batch_size, n_head, max_len, head_dim)
+        for i in range(n_layer):
+            cache.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+            cache.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+        return cache
+
+    @classmethod
+    def from_legacy(cls, past: Sequence[Sequence[Tensor]]) -> "KVCache":
+        """From HF's tuple of per-layer (key, value) pairs. The tensors are used, never written."""
+        cache = cls(len(past))
+        for i, pair in enumerate(past):
+            if len(pair) != 2:
+                raise ValueError(f"past_key_values[{i}] must be a (key, value) pair, got {len(pair)} items")
+            key, value = pair
+            if key.dim() != 4 or key.shape != value.shape:
+                raise ValueError(
+                    f"past_key_values[{i}]: key and value must both be [B, n_head, T_past, head_dim], "
+                    f"got {tuple(key.shape)} and {tuple(value.shape)}"
+                )
+            cache.keys[i], cache.values[i] = key, value
+        lengths = {k.shape[2] for k in cache.keys}
+        if len(lengths) != 1:
+            raise ValueError(f"past_key_values layers disagree on the cached length: {sorted(lengths)}")
+        cache.length = lengths.pop()
+        return cache
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Write (B, nh, T, hs) new keys/values after the cached ones; return all of them.
+
+        The model calls `advance(T)` once every layer has written its T tokens.
+        """
+        start, end = self.length, self.length + key.size(2)
+        buf_k, buf_v = self.keys[layer], self.values[layer]
+        if buf_k is None and start == 0:
+            # First write into an empty cache: keep the tensors themselves, copy nothing.
+            self.keys[layer], self.values[layer] = key, value
+            return key, value
+        if buf_k is None:
+            raise ValueError(f"cache layer {layer} is empty but the cache holds {start} tokens")
+        if end > buf_k.size(2):
+            buf_k, buf_v = self._grow(buf_k, end), self._grow(buf_v, end)
+            self.keys[layer], self.values[layer] = buf_k, buf_v
+        buf_k[:, :, start:end] = key
+        buf_v[:, :, start:end] = value
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def _grow(self, buf: Tensor, needed: int) -> Tensor:
+        B, nh, capacity, hs = buf.shape
+        bigger = buf.new_empty(B, nh, max(needed, 2 * capacity), hs)
+        bigger[:, :, : self.length] = buf[:, :, : self.length]
+        return bigger
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.keys[0] is None else self.keys[0].size(0)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer's (key, value), each (B, nh, length, hs)."""
+        k, v = self.keys[layer], self.values[layer]
+        if k is None:
+            raise IndexError(f"cache layer {layer} holds nothing yet")
+        return k[:, :, : self.length], v[:, :, : self.length]
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return (self[i] for i in range(len(self)))
+
+    def to_legacy(self) -> tuple[tuple[Tensor, Tensor], ...]:
+        return tuple(self)

@@ -1,0 +1,192 @@
+"""The HF-named building blocks of GPT-2: Conv1D, Attention, MLP, Block.
+
+Parameter names and shapes equal `transformers`' GPT-2, so state dicts load as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import causal_mask, scaled_dot_product_attention
+from .cache import KVCache
+from .config import GPT2Config
+
+
+class Conv1D(nn.Module):
+    """A linear layer whose weight is stored (in, out), as in OpenAI's GPT-2 and HF.
+
+    The argument order is HF's: `Conv1D(nf, nx)` maps nx input features to nf outputs.
+    """
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+    def extra_repr(self) -> str:
+        return f"nx={self.weight.size(0)}, nf={self.nf}"
+
+
+def _quick_gelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    # gelu_new, gelu_fast and gelu_pytorch_tanh are all 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))).
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu": F.gelu,
+    "gelu_python": F.gelu,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "relu6": F.relu6,
+    "silu": F.silu,
+    "swish": F.silu,
+    "mish": F.mish,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "linear": _identity,
+}
+
+
+def get_activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation_function {name!r}; choose one of {', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with one fused QKV projection (`c_attn`)."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int = 0):
+        super().__init__()
+        config.validate()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.head_dim = config.head_dim
+        self.layer_idx = layer_idx
+        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.upcast = config.reorder_and_upcast_attn
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        B, _, T, _ = x.shape
+        return x.transpose(1, 2).reshape(B, T, self.n_embd)  # (B, T, C)
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        mask: Tensor | None = None,
+        head_mask: Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, C). mask None means plain causal; else bool/additive (B|1, 1|nh, T, T_k).
+
+        Returns the output (B, T, C) and, when asked for, the weights (B, nh, T, T_k).
+        """
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, T_k, hs), past + new
+        T_q, T_k = q.size(2), k.size(2)
+        dropout_p = self.attn_dropout.p if self.training else 0.0
+
+        weights = None
+        if output_attentions or head_mask is not None or self.upcast:
+            if mask is None and T_q > 1:
+                mask = causal_mask(T_q, T_k, q.device)
+            y, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p, head_mask, self.upcast)
+        else:
+            is_causal = mask is None and T_q == T_k and T_q > 1
+            if mask is None and 1 < T_q < T_k:
+                mask = causal_mask(T_q, T_k, q.device)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
+            )
+        y = self.resid_dropout(self.c_proj(self.merge_heads(y)))
+        return y, weights
+
+
+class MLP(nn.Module):
+    """c_fc -> activation -> c_proj -> dropout. HF's signature: MLP(intermediate_size, config)."""
+
+    def __init__(self, intermediate_size: int, config: GPT2Config):
+        super().__init__()
+        self.c_fc = Conv1D(intermediate_size, config.n_embd)
+        self.act = get_activation(config.activation_function)
+        self.c_proj = Conv1D(config.n_embd, intermediate_size)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int = 0):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config.inner_dim, config)
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        mask: Tensor | None = None,
+        head_mask: Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        a, weights = self.attn(self.ln_1(x), cache, mask, head_mask, output_attentions)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, weights
+
+
+def init_weights(module: nn.Module, config: GPT2Config) -> None:
+    """HF/OpenAI init: N(0, initializer_range) weights, zero biases, LayerNorm 1/0, and each
+    residual projection (`c_proj`) scaled by 1/sqrt(2 * n_layer)."""
+    std = config.initializer_range
+    for name, m in module.named_modules():
+        if isinstance(m, (Conv1D, nn.Linear)):
+            std_here = std / math.sqrt(2 * config.n_layer) if name.endswith("c_proj") else std
+            nn.init.normal_(m.weight, mean=0.0, std=std_here)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
