@@ -1,0 +1,1 @@
+"""One module per `gpt2attn` subcommand; see gpt2attn/cli.py."""
