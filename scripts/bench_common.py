@@ -24,6 +24,21 @@ def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2)
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Median wall time of each fn, timed in turns (a, b, c, a, b, c, ...), so that a change in
+    machine load during the run affects every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Achieved GFLOP/s of an n x n fp32 matmul: the machine's practical compute ceiling."""
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -245,3 +245,16 @@ def test_presets_match_transformers_defaults_and_sizes(name, sizes):
         n_params = GPT2LMHeadModel(cfg).num_parameters()
     expected = {"gpt2": 124.4e6, "gpt2-medium": 354.8e6, "gpt2-large": 774.0e6, "gpt2-xl": 1557.6e6}[name]
     assert abs(n_params - expected) / expected < 0.002
+
+
+def test_lm_head_inference_path_equals_linear():
+    from gpt2attn.model import LMHead
+
+    head = LMHead(48, 10000, bias=False)
+    x = torch.randn(3, 5, 48)
+    expected = torch.nn.functional.linear(x, head.weight)
+    with torch.no_grad():
+        got = head(x)  # sliced, transposed-into-place path
+    assert got.shape == (3, 5, 10000) and got.is_contiguous()
+    assert max_diff(got, expected) <= 1e-5
+    assert max_diff(head(x), expected) == 0.0  # with autograd: plain nn.Linear
