@@ -24,6 +24,11 @@ ALIASES = {
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
+def _alias(name: str) -> property:
+    """A property that reads and writes the field `name` under another name."""
+    return property(lambda self: getattr(self, name), lambda self, value: setattr(self, name, value))
+
+
 @dataclass
 class GPT2Config:
     vocab_size: int = 50257
@@ -68,37 +73,10 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.n_inner must be positive or None, got {self.n_inner!r}")
 
     # HF aliases, readable and writable.
-    @property
-    def hidden_size(self) -> int:
-        return self.n_embd
-
-    @hidden_size.setter
-    def hidden_size(self, value: int) -> None:
-        self.n_embd = value
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.n_positions
-
-    @max_position_embeddings.setter
-    def max_position_embeddings(self, value: int) -> None:
-        self.n_positions = value
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.n_head
-
-    @num_attention_heads.setter
-    def num_attention_heads(self, value: int) -> None:
-        self.n_head = value
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.n_layer
-
-    @num_hidden_layers.setter
-    def num_hidden_layers(self, value: int) -> None:
-        self.n_layer = value
+    hidden_size = _alias("n_embd")
+    max_position_embeddings = _alias("n_positions")
+    num_attention_heads = _alias("n_head")
+    num_hidden_layers = _alias("n_layer")
 
     @property
     def head_dim(self) -> int:
