@@ -1,0 +1,458 @@
+"""Checkpoint files: load GPT-2 weights from wherever they live, save Hugging Face folders.
+
+Sources `from_pretrained` accepts: an HF model folder (`model.safetensors`, sharded safetensors
+with an index, or `pytorch_model.bin`), a single weights file, a state dict, a hub name found
+through `huggingface_hub`'s cache, or OpenAI's TensorFlow release (see tf_checkpoint.py).
+
+The model is built on the meta device and the loaded tensors are assigned into it, so weights
+are materialised once: safetensors files are memory-mapped and their tensors used in place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .config import GPT2Config, write_text_atomic
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+TF_INDEX = "model.ckpt.index"
+
+# safetensors dtype codes <-> torch dtypes.
+SAFE_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+SAFE_CODES = {dtype: code for code, dtype in SAFE_DTYPES.items()}
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Old HF checkpoints stored the causal mask as buffers; we build it on the fly.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# n_head for OpenAI's sizes, used when a bare state dict comes without a config.
+N_HEAD_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def from_pretrained(
+    cls: type,
+    src: Any,
+    dtype: Any = None,
+    device: Any = None,
+    config: GPT2Config | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    torch_dtype: Any = None,
+):
+    """Build `cls` (GPT2Model or GPT2LMHeadModel) with the weights of `src`, in eval mode.
+
+    dtype: None (as stored), a torch dtype, a name ('bf16', 'float16', ...) or 'auto' (the
+    config's torch_dtype). device: where the weights go. Both apply while loading.
+    """
+    dtype = dtype if dtype is not None else torch_dtype
+    if isinstance(src, dict):
+        state, where = src, "state dict"
+        config = config or infer_config(state)
+    else:
+        path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
+        if path.is_dir() and (path / TF_INDEX).exists() and not (path / CONFIG_NAME).exists():
+            from .tf_checkpoint import load_tf_checkpoint
+
+            tf_config, state = load_tf_checkpoint(path)
+            config, where = config or tf_config, str(path / TF_INDEX)
+        else:
+            state, config_file, where = read_weights(path)
+            if config is None:
+                config = read_config(config_file) if config_file is not None else infer_config(state)
+    return build_model(cls, config, state, resolve_dtype(dtype, config), device, where)
+
+
+def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str):
+    """A `cls` on the meta device, then the checked tensors assigned into it."""
+    with torch.device("meta"):
+        model = cls(config)
+    expected = model.state_dict()  # meta tensors: names and shapes only
+    state = normalize_keys(state, is_lm="lm_head.weight" in expected)
+    tied = "lm_head.weight" in expected and (config.tie_word_embeddings or "lm_head.weight" not in state)
+    if tied:
+        state.pop("lm_head.weight", None)
+    check_state(state, expected, skip={"lm_head.weight"} if tied else set(), where=where)
+    device = torch.device(device) if device is not None else None
+    state = {name: cast(t, dtype, device) for name, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    return model.eval()
+
+
+def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None) -> Tensor:
+    """Move to device / dtype in one step (floating tensors only change dtype)."""
+    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return t.to(device=device if device is not None else t.device, dtype=target)
+
+
+def normalize_keys(state: dict[str, Tensor], is_lm: bool) -> dict[str, Tensor]:
+    """Strip DDP / torch.compile prefixes, drop old mask buffers, and fit the `transformer.`
+    prefix to the target class (an LM head is dropped when loading into GPT2Model)."""
+    out = {}
+    for name, tensor in state.items():
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name.startswith("lm_head."):
+            if not is_lm:
+                continue
+        elif is_lm and not name.startswith("transformer."):
+            name = "transformer." + name
+        elif not is_lm:
+            name = name.removeprefix("transformer.")
+        out[name] = tensor
+    return out
+
+
+def check_state(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], where: str) -> None:
+    """Raise ValueError naming the source and the keys: missing, unexpected, wrong shape."""
+    missing = [k for k in expected if k not in state and k not in skip]
+    unexpected = [k for k in state if k not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            problems.append(
+                f"shape mismatch for {name}: expected {tuple(expected[name].shape)}, found {tuple(tensor.shape)}"
+            )
+    if problems:
+        raise ValueError(f"{where}: checkpoint does not fit the model; " + "; ".join(problems))
+
+
+def resolve_dtype(dtype: Any, config: GPT2Config) -> torch.dtype | None:
+    """None, a torch dtype, a name, or 'auto' (config.json's torch_dtype / dtype, if any)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = config.extra.get("torch_dtype") or config.extra.get("dtype")
+        return DTYPE_NAMES[name] if name in DTYPE_NAMES else None
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)} or 'auto'")
+    return DTYPE_NAMES[name]
+
+
+def read_config(path: Path) -> GPT2Config:
+    try:
+        return GPT2Config.from_json_file(path)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def infer_config(state: dict[str, Tensor]) -> GPT2Config:
+    """A config from a bare state dict's shapes (n_head from OpenAI's sizes)."""
+    state = normalize_keys(state, is_lm=False)
+    if "wte.weight" not in state or "wpe.weight" not in state:
+        raise ValueError("state dict has no wte.weight / wpe.weight: is it a GPT-2 state dict?")
+    vocab_size, n_embd = state["wte.weight"].shape
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"h\.(\d+)\.", k))}
+    if n_embd not in N_HEAD_BY_WIDTH:
+        raise ValueError(f"cannot tell n_head for width {n_embd}: pass config=GPT2Config(...) with the state dict")
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=state["wpe.weight"].shape[0],
+        n_embd=n_embd,
+        n_layer=len(layers),
+        n_head=N_HEAD_BY_WIDTH[n_embd],
+        n_inner=state["h.0.mlp.c_fc.weight"].shape[1] if "h.0.mlp.c_fc.weight" in state else None,
+    )
+
+
+def read_weights(path: Path) -> tuple[dict[str, Tensor], Path | None, str]:
+    """The state dict of a folder or a single weights file, the config.json beside it, and
+    the weights file (or shard index) to name in errors."""
+    folder = path if path.is_dir() else path.parent
+    config_file = folder / CONFIG_NAME
+    if path.is_dir() and not config_file.exists():
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (an interrupted save_pretrained leaves none)")
+    config_file = config_file if config_file.exists() else None
+    if path.is_file():
+        files = [path]
+    elif (path / SAFE_WEIGHTS).exists():
+        files = [path / SAFE_WEIGHTS]
+    elif (path / SAFE_INDEX).exists():
+        files, where = shard_files(path / SAFE_INDEX), path / SAFE_INDEX
+    elif (path / BIN_WEIGHTS).exists():
+        files = [path / BIN_WEIGHTS]
+    elif (path / BIN_INDEX).exists():
+        files, where = shard_files(path / BIN_INDEX), path / BIN_INDEX
+    else:
+        raise FileNotFoundError(
+            f"{path}: no weights found (expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX})"
+        )
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(read_safetensors(file) if file.suffix == ".safetensors" else read_bin(file))
+    return state, config_file, str(files[0] if len(files) == 1 else where)
+
+
+def shard_files(index_path: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path}: not a valid shard index ({e!r})") from None
+    files = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
+    for file in files:
+        if not file.exists():
+            raise FileNotFoundError(f"{index_path} lists shard {file.name}, which is missing")
+    return files
+
+
+def read_bin(path: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for bad files
+        raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """Tensors of a .safetensors file as views of a (copy-on-write) memory map: nothing is
+    copied until a tensor is used or converted. The header is checked against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            raise ValueError(f"{path}: corrupt or truncated safetensors file (header of {header_len} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > data_start else b""
+    state = {}
+    for name, info in header.items():
+        dtype = SAFE_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise ValueError(f"{path}: tensor {name} has {end - begin} bytes, its shape {shape} needs {nbytes}")
+        if data_start + end > size:
+            raise ValueError(
+                f"{path}: truncated: tensor {name} ends at byte {data_start + end}, the file has {size} bytes"
+            )
+        if nbytes == 0:
+            state[name] = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=data_start + begin)
+            state[name] = flat.view(dtype).view(shape)
+    return state
+
+
+def resolve(src: str | os.PathLike, cache_dir=None, local_files_only: bool = False) -> Path:
+    """A local path as it is; otherwise a hub name, looked up through huggingface_hub."""
+    path = Path(src).expanduser()
+    if path.exists():
+        return path
+    name = str(src)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not re.fullmatch(r"[\w.\-/]+", name):
+        raise FileNotFoundError(f"{src}: no such file or folder")
+    return download(name, cache_dir, local_files_only)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def download(repo_id: str, cache_dir=None, local_files_only: bool = False) -> Path:
+    """The snapshot folder of a hub model (config + one weights format), cached by huggingface_hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = local_files_only or hub_offline()
+    # 'gpt2' now lives at 'openai-community/gpt2'; a cache may hold either name.
+    names = [repo_id] if "/" in repo_id else [repo_id, f"openai-community/{repo_id}"]
+    for name in names:
+        try:
+            folder = Path(
+                snapshot_download(name, cache_dir=cache_dir, local_files_only=True, allow_patterns=["*.json"])
+            )
+            if has_weights(folder):
+                return folder
+        except LocalEntryNotFoundError:
+            pass
+    if offline:
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local path and is not in the Hugging Face cache, and downloads are off "
+            f"(HF_HUB_OFFLINE=1 or local_files_only). Download it once with network access "
+            f"(`huggingface-cli download {names[-1]}`), or pass a local folder."
+        )
+    try:
+        folder = Path(snapshot_download(names[-1], cache_dir=cache_dir, allow_patterns=["*.json", "*.txt", "*.safetensors"]))
+    except Exception as e:  # network errors, missing repos, gated repos: all say why
+        raise FileNotFoundError(f"could not download {names[-1]!r} from the Hugging Face hub: {e}") from None
+    return folder
+
+
+def has_weights(folder: Path) -> bool:
+    return any((folder / name).exists() for name in (SAFE_WEIGHTS, SAFE_INDEX, BIN_WEIGHTS, BIN_INDEX))
+
+
+# --- saving ---------------------------------------------------------------------------------
+
+
+def save_pretrained(
+    model,
+    save_directory: str | os.PathLike,
+    safe_serialization: bool = True,
+    max_shard_size: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write an HF folder: weight files (sharded with an index when larger than max_shard_size),
+    then config.json last. Each file is written atomically; config.json is removed first, so a
+    save that stops half-way leaves a folder that does not load rather than a mixed one.
+    progress(n) is called with each n bytes of tensor data written."""
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_NAME).unlink(missing_ok=True)
+    state = tensors_to_save(model)
+    ext, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
+    shards = split_shards(state, parse_size(max_shard_size))
+    written = []
+    if len(shards) == 1:
+        written.append(stem + ext)
+    else:
+        written += [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
+    for name, shard in zip(written, shards):
+        if safe_serialization:
+            write_safetensors(folder / name, shard, progress)
+        else:
+            write_bin(folder / name, shard, progress)
+    index_name = (SAFE_INDEX if safe_serialization else BIN_INDEX) if len(shards) > 1 else None
+    if index_name:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {key: name for name, shard in zip(written, shards) for key in shard},
+        }
+        write_text_atomic(folder / index_name, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(index_name)
+    remove_stale_weights(folder, keep=set(written))
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    write_text_atomic(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def tensors_to_save(model) -> dict[str, Tensor]:
+    """The state dict on the CPU, contiguous, with a tied lm_head.weight left out (as HF does:
+    it is wte's tensor, and safetensors refuses to store one tensor twice)."""
+    state = model.state_dict()
+    head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
+    if head is not None and wte is not None and head.data_ptr() == wte.data_ptr():
+        del state["lm_head.weight"]
+    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+
+
+def parse_size(size: int | str | None) -> int | None:
+    """Bytes from an int or a string such as '500MB', '2GB', '10KiB'."""
+    if size is None or isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"max_shard_size {size!r}: use bytes (int) or a string such as '500MB' or '2GB'")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(float(m.group(1)) * units[(m.group(2) or "B").upper()])
+
+
+def split_shards(state: dict[str, Tensor], max_bytes: int | None) -> list[dict[str, Tensor]]:
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor gets its own)."""
+    shards: list[dict[str, Tensor]] = [{}]
+    used = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and used + nbytes > max_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += nbytes
+    return shards
+
+
+def write_safetensors(path: Path, state: dict[str, Tensor], progress: Callable[[int], None] | None = None) -> None:
+    """The safetensors format: 8-byte header length, JSON header, then the tensors' bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+
+    def write(f) -> None:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in state.values():
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            if progress:
+                progress(t.numel() * t.element_size())
+
+    write_atomic(path, write)
+
+
+def write_bin(path: Path, state: dict[str, Tensor], progress: Callable[[int], None] | None = None) -> None:
+    write_atomic(path, lambda f: torch.save(state, f))
+    if progress:
+        progress(sum(t.numel() * t.element_size() for t in state.values()))
+
+
+def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
+    """write(f) into a temporary file beside `path`, then rename it to `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def remove_stale_weights(folder: Path, keep: Iterable[str]) -> None:
+    """Weight files of an earlier save into the same folder that this save did not write."""
+    keep = set(keep)
+    pattern = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+    for file in folder.iterdir():
+        if pattern.fullmatch(file.name) and file.name not in keep:
+            file.unlink()
