@@ -1,0 +1,242 @@
+"""OpenAI's TensorFlow GPT-2 checkpoints, read without TensorFlow.
+
+A TF "tensor bundle" is two kinds of files:
+- `model.ckpt.index`: an SSTable (LevelDB's table format) whose keys are variable names and
+  whose values are BundleEntryProto messages (dtype, shape, shard, offset, size, crc32c);
+  the empty key holds a BundleHeaderProto (number of shards, endianness).
+- `model.ckpt.data-0000k-of-0000n`: the raw little-endian tensor bytes, read here with numpy
+  through a memory map; each tensor's masked crc32c is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import GPT2Config
+
+TABLE_MAGIC = 0xDB4775248B80FB57
+FOOTER_SIZE = 48
+# TF DataType enum -> numpy dtype (the ones a GPT-2 checkpoint can hold).
+TF_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 19: np.float16}
+TF_BFLOAT16 = 14
+
+
+# --- crc32c (Castagnoli), vectorised with numpy ---------------------------------------------
+
+
+def _crc_table() -> np.ndarray:
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(0x82F63B78), table >> 1).astype(np.uint32)
+    return table
+
+
+CRC_TABLE = _crc_table()
+
+
+def _crc_update(crc: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """Advance CRC registers `crc` (lanes,) over `data` (steps, lanes), one byte row at a time."""
+    for row in data:
+        crc = CRC_TABLE[(crc ^ row) & 0xFF] ^ (crc >> 8)
+    return crc
+
+
+def _zeros_operator(n_bytes: int) -> list[np.ndarray]:
+    """The register map of n zero bytes (linear over GF(2)) as four 256-entry byte tables."""
+    basis = np.uint32(1) << np.arange(32, dtype=np.uint32)  # the register's 32 unit vectors
+    images = _crc_update(basis, np.zeros((n_bytes, 32), dtype=np.uint8))
+    tables = []
+    for byte in range(4):
+        values = np.arange(256, dtype=np.uint32)
+        table = np.zeros(256, dtype=np.uint32)
+        for bit in range(8):
+            table ^= np.where(values >> bit & 1, images[8 * byte + bit], 0).astype(np.uint32)
+        tables.append(table)
+    return tables
+
+
+def crc32c(data: bytes | np.ndarray, lanes: int = 4096) -> int:
+    """crc32c of `data`. The bytes are split into `lanes` equal chunks whose CRCs are computed
+    side by side, then chained: crc(A + B) = zeros_op(len B)(crc(A)) ^ crc_from_zero(B)."""
+    data = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    lanes = max(1, min(lanes, len(data) // 64))
+    chunk = len(data) // lanes
+    crc = 0xFFFFFFFF
+    if chunk:
+        body = data[: lanes * chunk].reshape(lanes, chunk).T  # (chunk, lanes)
+        partial = _crc_update(np.zeros(lanes, dtype=np.uint32), np.ascontiguousarray(body))
+        t0, t1, t2, t3 = _zeros_operator(chunk)
+        for part in partial.tolist():
+            crc = int(t0[crc & 0xFF] ^ t1[crc >> 8 & 0xFF] ^ t2[crc >> 16 & 0xFF] ^ t3[crc >> 24]) ^ part
+    tail = data[lanes * chunk :]
+    crc = int(_crc_update(np.array([crc], dtype=np.uint32), tail.reshape(-1, 1))[0])
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data: bytes | np.ndarray) -> int:
+    """The form TF and LevelDB store: rotated right by 15 bits plus a constant."""
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# --- protobuf wire format and the SSTable ---------------------------------------------------
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_proto(buf: bytes) -> dict[int, list]:
+    """field number -> list of values (ints for varint/fixed fields, bytes for messages)."""
+    fields: dict[int, list] = {}
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            value, pos = buf[pos : pos + n], pos + n
+        elif wire == 5:
+            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        fields.setdefault(number, []).append(value)
+    if pos != len(buf):
+        raise ValueError("truncated protobuf message")
+    return fields
+
+
+def _block(table: bytes, handle: bytes, path: Path) -> bytes:
+    """The contents of the block a BlockHandle (offset, size varints) points at, crc-checked."""
+    offset, pos = _varint(handle, 0)
+    size, _ = _varint(handle, pos)
+    if offset + size + 5 > len(table):
+        raise ValueError(f"{path}: truncated: a block ends past the end of the file")
+    contents, kind = table[offset : offset + size], table[offset + size]
+    stored = int.from_bytes(table[offset + size + 1 : offset + size + 5], "little")
+    if masked_crc32c(table[offset : offset + size + 1]) != stored:
+        raise ValueError(f"{path}: corrupt: block at byte {offset} fails its crc32c check")
+    if kind != 0:
+        raise ValueError(f"{path}: compressed blocks (type {kind}) are not supported")
+    return contents
+
+
+def _block_entries(block: bytes) -> list[tuple[bytes, bytes]]:
+    """Key/value pairs of a block (keys are prefix-compressed against the previous key)."""
+    n_restarts = int.from_bytes(block[-4:], "little")
+    end = len(block) - 4 * (n_restarts + 1)
+    entries, key, pos = [], b"", 0
+    while pos < end:
+        shared, pos = _varint(block, pos)
+        unshared, pos = _varint(block, pos)
+        n_value, pos = _varint(block, pos)
+        key = key[:shared] + block[pos : pos + unshared]
+        pos += unshared
+        entries.append((key, block[pos : pos + n_value]))
+        pos += n_value
+    return entries
+
+
+def read_sstable(path: Path) -> dict[bytes, bytes]:
+    table = path.read_bytes()
+    if len(table) < FOOTER_SIZE or int.from_bytes(table[-8:], "little") != TABLE_MAGIC:
+        raise ValueError(f"{path}: not a TF checkpoint index (no SSTable footer; truncated?)")
+    footer = table[-FOOTER_SIZE:]
+    _, pos = _varint(footer, 0)  # skip the metaindex handle
+    _, pos = _varint(footer, pos)
+    index = _block_entries(_block(table, footer[pos:], path))
+    return {key: value for _, handle in index for key, value in _block_entries(_block(table, handle, path))}
+
+
+# --- the bundle -----------------------------------------------------------------------------
+
+
+def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the bundle `prefix` (e.g. folder/model.ckpt), as numpy arrays over a
+    memory map of the data shards, each checked against its crc32c."""
+    index_path = Path(f"{prefix}.index")
+    entries = read_sstable(index_path)
+    header = parse_proto(entries.pop(b"", b""))
+    n_shards = header.get(1, [1])[0]
+    if header.get(2, [0])[0] != 0:
+        raise ValueError(f"{index_path}: big-endian checkpoints are not supported")
+    shards: dict[int, mmap.mmap] = {}
+    tensors = {}
+    for key, value in entries.items():
+        name = key.decode()
+        entry = parse_proto(value)
+        dtype_code = entry.get(1, [0])[0]
+        if dtype_code not in TF_DTYPES:
+            raise ValueError(f"{index_path}: tensor {name} has unsupported TF dtype {dtype_code}")
+        dims = parse_proto(entry[2][0]).get(2, []) if 2 in entry else []
+        shape = [parse_proto(d).get(1, [0])[0] for d in dims]
+        shard_id, offset, size = (entry.get(n, [0])[0] for n in (3, 4, 5))
+        if shard_id not in shards:
+            shard_path = Path(f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}")
+            if not shard_path.exists():
+                raise FileNotFoundError(f"{index_path} needs data shard {shard_path.name}, which is missing")
+            with open(shard_path, "rb") as f:
+                shards[shard_id] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        data = shards[shard_id]
+        where = f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}"
+        if offset + size > len(data):
+            raise ValueError(f"{where}: truncated: tensor {name} ends at byte {offset + size}, the file has {len(data)}")
+        raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
+        if 6 in entry and masked_crc32c(raw) != entry[6][0]:
+            raise ValueError(f"{where}: corrupt: tensor {name} fails its crc32c check")
+        tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
+    return tensors
+
+
+def gpt2_name(tf_name: str) -> str:
+    """'model/h3/attn/c_attn/w' -> 'transformer.h.3.attn.c_attn.weight'; other names unchanged."""
+    m = re.fullmatch(r"model/(.+)/(w|b|g)", tf_name)
+    if m is None:
+        return {"model/wte": "transformer.wte.weight", "model/wpe": "transformer.wpe.weight"}.get(tf_name, tf_name)
+    module = re.sub(r"^h(\d+)/", r"h.\1/", m.group(1)).replace("/", ".")
+    return f"transformer.{module}.{'bias' if m.group(2) == 'b' else 'weight'}"
+
+
+def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
+    """The config (from hparams.json) and an HF-named state dict of an OpenAI GPT-2 folder."""
+    folder = Path(folder)
+    hparams_path = folder / "hparams.json"
+    if not hparams_path.exists():
+        raise FileNotFoundError(f"{folder}: no hparams.json beside the TF checkpoint")
+    hp = json.loads(hparams_path.read_text())
+    try:
+        config = GPT2Config(
+            vocab_size=hp["n_vocab"], n_positions=hp["n_ctx"], n_embd=hp["n_embd"], n_head=hp["n_head"], n_layer=hp["n_layer"]
+        )
+    except KeyError as e:
+        raise ValueError(f"{hparams_path}: missing {e.args[0]!r}") from None
+    prefix = "model.ckpt"
+    if (folder / "checkpoint").exists():  # 'model_checkpoint_path: "model.ckpt"'
+        m = re.search(r'model_checkpoint_path:\s*"([^"]+)"', (folder / "checkpoint").read_text())
+        prefix = m.group(1) if m else prefix
+    state = {}
+    for name, array in read_bundle(folder / prefix).items():
+        tensor = torch.from_numpy(array)
+        if name.endswith("/w") and tensor.dim() == 3:  # conv weights [1, nx, nf] -> [nx, nf]
+            tensor = tensor[0]
+        state[gpt2_name(name)] = tensor
+    return config, state
