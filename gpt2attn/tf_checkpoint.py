@@ -225,7 +225,8 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     hp = json.loads(hparams_path.read_text())
     try:
         config = GPT2Config(
-            vocab_size=hp["n_vocab"], n_positions=hp["n_ctx"], n_embd=hp["n_embd"], n_head=hp["n_head"], n_layer=hp["n_layer"]
+            vocab_size=hp["n_vocab"], n_positions=hp["n_ctx"], n_embd=hp["n_embd"], n_head=hp["n_head"], n_layer=hp["n_layer"],
+            bos_token_id=hp["n_vocab"] - 1, eos_token_id=hp["n_vocab"] - 1,  # <|endoftext|> is the last id
         )
     except KeyError as e:
         raise ValueError(f"{hparams_path}: missing {e.args[0]!r}") from None
