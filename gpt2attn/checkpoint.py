@@ -17,11 +17,12 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import GPT2Config, write_text_atomic
 
@@ -89,7 +90,7 @@ def from_pretrained(
 
 def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str):
     """A `cls` on the meta device, then the checked tensors assigned into it."""
-    with torch.device("meta"):
+    with torch.device("meta"), no_random_init():
         model = cls(config)
     expected = model.state_dict()  # meta tensors: names and shapes only
     state = normalize_keys(state, is_lm="lm_head.weight" in expected)
@@ -103,6 +104,21 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
     if tied:
         model.tie_weights()
     return model.eval()
+
+
+@contextmanager
+def no_random_init():
+    """Make torch.nn.init's fills no-ops while a model is built on the meta device: the values
+    would be thrown away, and the first meta normal_() of a process costs over a second."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None) -> Tensor:

@@ -1,0 +1,95 @@
+"""Loading a gpt2-small-sized safetensors checkpoint: gpt2attn vs transformers.
+
+`python scripts/bench.py load [--repeats N]` writes a random 124M-parameter checkpoint to a
+temporary folder, then times `GPT2LMHeadModel.from_pretrained` in fresh processes (ours and
+transformers' in turns, after one untimed warm-up each so both read from the page cache) and
+records each process's peak RSS. Imports are not timed. Because gpt2attn maps the file and
+reads pages only when used, "load + forward" (one 8-token forward pass after loading) is
+reported too: it touches every weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench_common import machine_line
+
+CHILD = r"""
+import json, sys, time
+import torch
+lib, folder = sys.argv[1:3]
+if lib == "gpt2attn":
+    from gpt2attn import GPT2LMHeadModel
+else:
+    from transformers import GPT2LMHeadModel
+def rss():  # peak resident MiB of this process image (ru_maxrss would include the parent's, from fork)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+before = rss()
+t0 = time.perf_counter()
+model = GPT2LMHeadModel.from_pretrained(folder)
+t1 = time.perf_counter()
+loaded = rss()
+with torch.no_grad():
+    model(torch.zeros(1, 8, dtype=torch.long))
+t2 = time.perf_counter()
+print(json.dumps({"load": t1 - t0, "load_forward": t2 - t0, "rss_before": before, "rss_loaded": loaded, "rss_peak": rss()}))
+"""
+
+
+def run_child(lib: str, folder: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, lib, str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{lib} child failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py load")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    from gpt2attn import GPT2Config, GPT2LMHeadModel
+
+    print(machine_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(folder)  # gpt2-small shapes, random weights
+        ckpt_mib = (folder / "model.safetensors").stat().st_size / 2**20
+        print(f"checkpoint: {folder / 'model.safetensors'}, {ckpt_mib:.0f} MiB (fp32, gpt2-small shapes)")
+        libs = ("gpt2attn", "transformers")
+        for lib in libs:
+            run_child(lib, folder)  # warm-up: page cache, .pyc files
+        runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+        for _ in range(args.repeats):
+            for lib in libs:
+                runs[lib].append(run_child(lib, folder))
+
+    med = {lib: {key: statistics.median(r[key] for r in runs[lib]) for key in runs[lib][0]} for lib in libs}
+    print(f"\nmedian of {args.repeats} fresh processes each (imports not timed):")
+    print(f"{'':<14} {'load s':>8} {'load+fwd s':>11} {'RSS after import':>17} {'peak RSS':>10} {'peak/ckpt':>10} {'(peak-import)/ckpt':>19}")
+    for lib in libs:
+        m = med[lib]
+        print(
+            f"{lib:<14} {m['load']:8.3f} {m['load_forward']:11.3f} {m['rss_before']:13.0f} MiB {m['rss_peak']:6.0f} MiB "
+            f"{m['rss_peak'] / ckpt_mib:10.2f} {(m['rss_peak'] - m['rss_before']) / ckpt_mib:19.2f}"
+        )
+    ours, theirs = med["gpt2attn"], med["transformers"]
+    print(f"\nspeed-up (transformers / gpt2attn): load {theirs['load'] / ours['load']:.2f}x, "
+          f"load+forward {theirs['load_forward'] / ours['load_forward']:.2f}x  (target >= 2x)")
+    print(f"peak RSS gpt2attn / checkpoint bytes: {ours['rss_peak'] / ckpt_mib:.2f}  (target <= 1.3); "
+          f"transformers: {theirs['rss_peak'] / ckpt_mib:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
