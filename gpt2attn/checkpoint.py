@@ -247,8 +247,11 @@ def shard_files(index_path: Path) -> list[Path]:
 def read_bin(path: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for bad files
-        raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+    except Exception:  # RuntimeError, UnpicklingError, EOFError, ...: maybe the pre-zip format, which cannot be mapped
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return state
@@ -332,7 +335,8 @@ def download(repo_id: str, cache_dir=None, local_files_only: bool = False) -> Pa
             f"(`huggingface-cli download {names[-1]}`), or pass a local folder."
         )
     try:
-        folder = Path(snapshot_download(names[-1], cache_dir=cache_dir, allow_patterns=["*.json", "*.txt", "*.safetensors"]))
+        patterns = ["*.json", "*.txt", "*.safetensors"]  # config, tokenizer, weights
+        folder = Path(snapshot_download(names[-1], cache_dir=cache_dir, allow_patterns=patterns))
     except Exception as e:  # network errors, missing repos, gated repos: all say why
         raise FileNotFoundError(f"could not download {names[-1]!r} from the Hugging Face hub: {e}") from None
     return folder

@@ -48,7 +48,8 @@ class ParityReport:
         lines.append(f"{'':<10} {'max|diff| hidden':>17} {'max|ref|':>10} {'max|diff| attn':>15}  ok")
         for row in self.rows:
             attn = f"{row.attention_diff:15.3e}" if row.attention_diff is not None else f"{'-':>15}"
-            lines.append(f"{row.name:<10} {row.diff:17.3e} {row.scale:10.3g} {attn}  {'yes' if row.ok(self.tol) else 'NO'}")
+            ok = "yes" if row.ok(self.tol) else "NO"
+            lines.append(f"{row.name:<10} {row.diff:17.3e} {row.scale:10.3g} {attn}  {ok}")
         lines.append(f"greedy next-token agreement: {self.greedy_agreement:.1%}")
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(f"{verdict} (tolerance {self.tol:g}, relative to max(1, max|ref|))")

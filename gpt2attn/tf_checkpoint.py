@@ -190,19 +190,20 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
         dims = parse_proto(entry[2][0]).get(2, []) if 2 in entry else []
         shape = [parse_proto(d).get(1, [0])[0] for d in dims]
         shard_id, offset, size = (entry.get(n, [0])[0] for n in (3, 4, 5))
+        shard_path = Path(f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}")
         if shard_id not in shards:
-            shard_path = Path(f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}")
             if not shard_path.exists():
                 raise FileNotFoundError(f"{index_path} needs data shard {shard_path.name}, which is missing")
             with open(shard_path, "rb") as f:
                 shards[shard_id] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         data = shards[shard_id]
-        where = f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}"
         if offset + size > len(data):
-            raise ValueError(f"{where}: truncated: tensor {name} ends at byte {offset + size}, the file has {len(data)}")
+            raise ValueError(
+                f"{shard_path}: truncated: tensor {name} ends at byte {offset + size}, the file has {len(data)}"
+            )
         raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
         if 6 in entry and masked_crc32c(raw) != entry[6][0]:
-            raise ValueError(f"{where}: corrupt: tensor {name} fails its crc32c check")
+            raise ValueError(f"{shard_path}: corrupt: tensor {name} fails its crc32c check")
         tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
     return tensors
 
@@ -225,7 +226,11 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     hp = json.loads(hparams_path.read_text())
     try:
         config = GPT2Config(
-            vocab_size=hp["n_vocab"], n_positions=hp["n_ctx"], n_embd=hp["n_embd"], n_head=hp["n_head"], n_layer=hp["n_layer"],
+            vocab_size=hp["n_vocab"],
+            n_positions=hp["n_ctx"],
+            n_embd=hp["n_embd"],
+            n_head=hp["n_head"],
+            n_layer=hp["n_layer"],
             bos_token_id=hp["n_vocab"] - 1, eos_token_id=hp["n_vocab"] - 1,  # <|endoftext|> is the last id
         )
     except KeyError as e:

@@ -39,7 +39,9 @@ def run(args) -> int:
     dst = Path(args.dst)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {dst}") as bar:
-        model.save_pretrained(dst, safe_serialization=not args.bin, max_shard_size=args.max_shard_size, progress=bar.update)
+        model.save_pretrained(
+            dst, safe_serialization=not args.bin, max_shard_size=args.max_shard_size, progress=bar.update
+        )
     src = resolve(args.src) if not Path(args.src).is_file() else Path(args.src).parent
     copied = []
     for name, new_name in TOKENIZER_FILES.items():

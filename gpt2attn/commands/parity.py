@@ -12,7 +12,8 @@ def add_arguments(parser) -> None:
     source.add_argument("--tokens", type=int, default=16, help="N random token ids as input (default 16)")
     parser.add_argument("--batch", type=int, default=2, help="rows of random tokens (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"], default="float32")
+    dtypes = ["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"]
+    parser.add_argument("--dtype", choices=dtypes, default="float32", help="run both models in this dtype")
     parser.add_argument("--tol", type=float, help="tolerance (default: 1e-4 fp32, 2e-2 fp16, 1e-1 bf16)")
 
 
