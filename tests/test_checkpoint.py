@@ -253,3 +253,26 @@ def test_offline_and_not_cached_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE") as err:
         GPT2LMHeadModel.from_pretrained("openai-community/gpt2-medium", cache_dir=tmp_path)
     assert "huggingface-cli download" in str(err.value)
+
+
+def mapped_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (Linux /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+def test_safetensors_weights_are_used_in_place_not_copied(tmp_path):
+    lm().save_pretrained(tmp_path)
+    ours = GPT2LMHeadModel.from_pretrained(tmp_path)
+    ranges = mapped_ranges((tmp_path / "model.safetensors").resolve())
+    assert ranges
+    for name, p in ours.named_parameters():
+        assert any(start <= p.data_ptr() < end for start, end in ranges), name  # a view of the file map
+    converted = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float16)  # a conversion must copy
+    ranges = mapped_ranges((tmp_path / "model.safetensors").resolve())
+    assert not any(start <= converted.transformer.wte.weight.data_ptr() < end for start, end in ranges)
