@@ -35,13 +35,14 @@ class Row:
 class ParityReport:
     rows: list[Row]  # embeddings, each layer, logits
     greedy_agreement: float  # fraction of positions whose argmax token agrees
+    greedy_flips: int  # disagreements that are not near-ties (see compare)
     tol: float
     hf_source: str  # how transformers got the weights
     notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return self.greedy_agreement == 1.0 and all(row.ok(self.tol) for row in self.rows)
+        return self.greedy_flips == 0 and all(row.ok(self.tol) for row in self.rows)
 
     def format(self) -> str:
         lines = [f"transformers loaded {self.hf_source}", *self.notes, ""]
@@ -50,7 +51,9 @@ class ParityReport:
             attn = f"{row.attention_diff:15.3e}" if row.attention_diff is not None else f"{'-':>15}"
             ok = "yes" if row.ok(self.tol) else "NO"
             lines.append(f"{row.name:<10} {row.diff:17.3e} {row.scale:10.3g} {attn}  {ok}")
-        lines.append(f"greedy next-token agreement: {self.greedy_agreement:.1%}")
+        lines.append(
+            f"greedy next-token agreement: {self.greedy_agreement:.1%} ({self.greedy_flips} flips beyond near-ties)"
+        )
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(f"{verdict} (tolerance {self.tol:g}, relative to max(1, max|ref|))")
         return "\n".join(lines)
@@ -98,8 +101,13 @@ def compare(ours, reference, input_ids: Tensor, tol: float | None = None, hf_sou
         attn = max_abs(a.attentions[i] - b.attentions[i])
         rows.append(Row(f"layer {i}", max_abs(hidden_a - hidden_b), max_abs(hidden_b), attn))
     rows.append(Row("logits", max_abs(a.logits - b.logits), max_abs(b.logits)))
-    agreement = (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean().item()
-    return ParityReport(rows, agreement, tol, hf_source)
+    ours_tokens = a.logits.argmax(-1)  # (B, T)
+    agreement = (ours_tokens == b.logits.argmax(-1)).float().mean().item()
+    # Our pick loses in the reference by `gap`: within the logits tolerance it is a near-tie
+    # that rounding may flip (common in half precision), beyond it a real disagreement.
+    gap = b.logits.max(-1).values - b.logits.gather(-1, ours_tokens[..., None])[..., 0]  # (B, T)
+    flips = int((gap.float() > tol * max(1.0, rows[-1].scale)).sum())
+    return ParityReport(rows, agreement, flips, tol, hf_source)
 
 
 def max_abs(t: Tensor) -> float:
