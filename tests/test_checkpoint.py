@@ -276,3 +276,14 @@ def test_safetensors_weights_are_used_in_place_not_copied(tmp_path):
     converted = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float16)  # a conversion must copy
     ranges = mapped_ranges((tmp_path / "model.safetensors").resolve())
     assert not any(start <= converted.transformer.wte.weight.data_ptr() < end for start, end in ranges)
+
+
+@torch.no_grad()
+def test_resave_into_the_folder_it_was_loaded_from(tmp_path):
+    model = lm()
+    model.save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path)  # its weights map the file about to be replaced
+    loaded.save_pretrained(tmp_path, max_shard_size="20KB")
+    again = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
