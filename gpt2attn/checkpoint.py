@@ -85,10 +85,12 @@ def from_pretrained(
             state, config_file, where = read_weights(path)
             if config is None:
                 config = read_config(config_file) if config_file is not None else infer_config(state)
-    return build_model(cls, config, state, resolve_dtype(dtype, config), device, where)
+    # A caller's state dict is copied, so the new model does not share storage with its source.
+    copy = isinstance(src, dict)
+    return build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
 
 
-def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str):
+def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str, copy: bool):
     """A `cls` on the meta device, then the checked tensors assigned into it."""
     with torch.device("meta"), no_random_init():
         model = cls(config)
@@ -99,7 +101,7 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
         state.pop("lm_head.weight", None)
     check_state(state, expected, skip={"lm_head.weight"} if tied else set(), where=where)
     device = torch.device(device) if device is not None else None
-    state = {name: cast(t, dtype, device) for name, t in state.items()}
+    state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
@@ -121,10 +123,10 @@ def no_random_init():
             setattr(nn.init, name, fn)
 
 
-def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None) -> Tensor:
+def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None, copy: bool) -> Tensor:
     """Move to device / dtype in one step (floating tensors only change dtype)."""
     target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return t.to(device=device if device is not None else t.device, dtype=target)
+    return t.detach().to(device=device if device is not None else t.device, dtype=target, copy=copy)
 
 
 def normalize_keys(state: dict[str, Tensor], is_lm: bool) -> dict[str, Tensor]:

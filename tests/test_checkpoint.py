@@ -110,6 +110,15 @@ def test_wrapped_and_old_state_dicts_load():
 
 
 @torch.no_grad()
+def test_state_dict_source_is_copied_not_shared():
+    model = lm()
+    loaded = GPT2LMHeadModel.from_pretrained(model.state_dict(), config=model.config)
+    loaded.transformer.ln_f.bias.add_(1.0)
+    assert not torch.equal(loaded.transformer.ln_f.bias, model.transformer.ln_f.bias)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+@torch.no_grad()
 def test_state_dict_without_config_infers_openai_size():
     model = GPT2Model(tiny_config(n_embd=768, n_head=12, n_layer=1, vocab_size=50, n_positions=8))
     loaded = GPT2Model.from_pretrained(model.state_dict())
