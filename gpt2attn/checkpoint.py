@@ -71,11 +71,18 @@ def from_pretrained(
     config's torch_dtype). device: where the weights go. Both apply while loading.
     """
     dtype = dtype if dtype is not None else torch_dtype
-    if isinstance(src, dict):
-        state, where = src, "state dict"
+    where = "state dict"
+    if not isinstance(src, dict):
+        path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
+        if path.is_file() and path.suffix in (".pt", ".ckpt"):  # e.g. nanoGPT's out/ckpt.pt
+            src, where = read_bin(path), str(path)
+    if isinstance(src, dict) and "model_args" in src:
+        nanogpt_config, state = from_nanogpt(src)
+        config = config or nanogpt_config
+    elif isinstance(src, dict):
+        state = src
         config = config or infer_config(state)
     else:
-        path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
         if path.is_dir() and (path / TF_INDEX).exists() and not (path / CONFIG_NAME).exists():
             from .tf_checkpoint import load_tf_checkpoint
 
@@ -185,6 +192,39 @@ def read_config(path: Path) -> GPT2Config:
         return GPT2Config.from_json_file(path)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+# nanoGPT's nn.Linear weights are (out, in); GPT-2's Conv1D stores (in, out).
+NANOGPT_LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+BIASES = ("ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")
+
+
+def from_nanogpt(checkpoint: dict[str, Any]) -> tuple[GPT2Config, dict[str, Tensor]]:
+    """Config and GPT-2 state dict of a nanoGPT training checkpoint ({'model', 'model_args', ...}).
+    Linear weights are transposed; a model trained with bias=False gets zero biases."""
+    args = checkpoint["model_args"]
+    dropout = args.get("dropout", 0.0)
+    config = GPT2Config(
+        vocab_size=args["vocab_size"],
+        n_positions=args["block_size"],
+        n_embd=args["n_embd"],
+        n_layer=args["n_layer"],
+        n_head=args["n_head"],
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    state = {}
+    for name, t in normalize_keys(checkpoint["model"], is_lm=True).items():
+        state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
+    if not args.get("bias", True):
+        C = config.n_embd
+        widths = {"attn.c_attn.bias": 3 * C, "mlp.c_fc.bias": config.inner_dim}
+        for i in range(config.n_layer):
+            for bias in BIASES:
+                state.setdefault(f"transformer.h.{i}.{bias}", torch.zeros(widths.get(bias, C)))
+        state.setdefault("transformer.ln_f.bias", torch.zeros(C))
+    return config, state
 
 
 def infer_config(state: dict[str, Tensor]) -> GPT2Config:

@@ -296,3 +296,27 @@ def test_resave_into_the_folder_it_was_loaded_from(tmp_path):
     again = GPT2LMHeadModel.from_pretrained(tmp_path)
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bias", [True, False])
+def test_nanogpt_training_checkpoint(tmp_path, bias):
+    """nanoGPT's out/ckpt.pt: torch.compile'd keys, nn.Linear (out, in) weights, model_args."""
+    model = lm()
+    if not bias:
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+    linears = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    state = {
+        "_orig_mod." + name: t.t().contiguous() if name.endswith(linears) else t
+        for name, t in model.state_dict().items()
+        if bias or not name.endswith(".bias")
+    }
+    config = model.config
+    model_args = dict(n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                      block_size=config.n_positions, bias=bias, vocab_size=config.vocab_size, dropout=0.0)
+    torch.save({"model": state, "model_args": model_args, "iter_num": 10, "best_val_loss": 1.5}, tmp_path / "ckpt.pt")
+    ours = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt.pt")
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+    assert max_diff(ours(TOKENS).logits, model(TOKENS).logits) < 1e-5
