@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import GPT2Config, write_text_atomic
+from .config import GPT2Config
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -424,13 +424,13 @@ def save_pretrained(
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
             "weight_map": {key: name for name, shard in zip(written, shards) for key in shard},
         }
-        write_text_atomic(folder / index_name, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_json(folder / index_name, index)
         written.append(index_name)
     remove_stale_weights(folder, keep=set(written))
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    write_text_atomic(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_json(folder / CONFIG_NAME, config)
 
 
 def tensors_to_save(model) -> dict[str, Tensor]:
@@ -497,10 +497,18 @@ def write_bin(path: Path, state: dict[str, Tensor], progress: Callable[[int], No
         progress(sum(t.numel() * t.element_size() for t in state.values()))
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
 def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
     """write(f) into a temporary file beside `path`, then rename it to `path`."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

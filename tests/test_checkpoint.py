@@ -320,3 +320,11 @@ def test_nanogpt_training_checkpoint(tmp_path, bias):
     ours = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt.pt")
     assert ours.lm_head.weight is ours.transformer.wte.weight
     assert max_diff(ours(TOKENS).logits, model(TOKENS).logits) < 1e-5
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    lm().save_pretrained(tmp_path, max_shard_size="20KB")
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in tmp_path.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file.name  # not mkstemp's 0600
