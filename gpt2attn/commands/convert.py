@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-HELP = "convert a checkpoint (HF folder, hub name, .safetensors/.bin file, OpenAI TF folder) to an HF folder"
+HELP = "convert any checkpoint gpt2attn loads (HF, hub, nanoGPT, OpenAI TF) to an HF folder"
 
 # Tokenizer files copied along; OpenAI's names (TF release) get HF's.
 TOKENIZER_FILES = {
@@ -21,7 +21,7 @@ TOKENIZER_FILES = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("src", help="HF folder, hub name, .safetensors/.bin file, or OpenAI TF checkpoint folder")
+    parser.add_argument("src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder")
     parser.add_argument("dst", help="output folder (created; config.json is written last)")
     parser.add_argument("--dtype", choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"],
                         help="store the weights in this dtype (default: as in SRC)")
