@@ -69,6 +69,15 @@ ACTIVATIONS = {
 }
 
 
+def no_tap(name: str, x: Tensor) -> Tensor:
+    """The default tap: every activation passes through untouched.
+
+    Block, Attention and MLP hand each named activation to `self.tap(name, x)` and go on with
+    what it returns; gpt2attn.inspect swaps in taps that record or edit them.
+    """
+    return x
+
+
 def get_activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation_function {name!r}; choose one of {', '.join(sorted(ACTIVATIONS))}")
@@ -93,6 +102,8 @@ class Attention(nn.Module):
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
         self.upcast = config.reorder_and_upcast_attn
+        self.tap = no_tap
+        self.eager = False  # True: always take the textbook path, so the "weights" tap sees them
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -114,18 +125,23 @@ class Attention(nn.Module):
 
         Returns the output (B, T, C) and, when asked for, the weights (B, nh, T, T_k).
         """
+        tap = self.tap
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, nh, T, hs)
+        q, k, v = tap("q", q), tap("k", k), tap("v", v)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nh, T_k, hs), past + new
         T_q, T_k = q.size(2), k.size(2)
         dropout_p = self.attn_dropout.p if self.training else 0.0
 
         weights = None
-        if output_attentions or head_mask is not None or self.upcast:
+        if output_attentions or head_mask is not None or self.upcast or self.eager:
             if mask is None and T_q > 1:
                 mask = causal_mask(T_q, T_k, q.device)
             y, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p, head_mask, self.upcast)
+            tapped = tap("weights", weights)
+            if tapped is not weights:  # edited: mix the values with the new weights
+                y, weights = torch.matmul(tapped, v), tapped
         else:
             is_causal = mask is None and T_q == T_k and T_q > 1
             if mask is None and 1 < T_q < T_k:
@@ -133,8 +149,9 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
             )
+        y = tap("heads", y)  # (B, nh, T, hs), each head's output before c_proj
         y = self.resid_dropout(self.c_proj(self.merge_heads(y)))
-        return y, weights
+        return tap("out", y), weights
 
 
 class MLP(nn.Module):
@@ -146,9 +163,11 @@ class MLP(nn.Module):
         self.act = get_activation(config.activation_function)
         self.c_proj = Conv1D(config.n_embd, intermediate_size)
         self.dropout = nn.Dropout(config.resid_pdrop)
+        self.tap = no_tap
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        hidden = self.tap("hidden", self.act(self.c_fc(x)))  # (B, T, inner)
+        return self.tap("out", self.dropout(self.c_proj(hidden)))
 
 
 class Block(nn.Module):
@@ -160,6 +179,7 @@ class Block(nn.Module):
         self.attn = Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config.inner_dim, config)
+        self.tap = no_tap
 
     def forward(
         self,
@@ -169,9 +189,11 @@ class Block(nn.Module):
         head_mask: Tensor | None = None,
         output_attentions: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        a, weights = self.attn(self.ln_1(x), cache, mask, head_mask, output_attentions)
-        x = x + a
-        x = x + self.mlp(self.ln_2(x))
+        tap = self.tap
+        x = tap("resid_pre", x)
+        a, weights = self.attn(tap("ln_1", self.ln_1(x)), cache, mask, head_mask, output_attentions)
+        x = tap("resid_mid", x + a)
+        x = tap("resid_post", x + self.mlp(tap("ln_2", self.ln_2(x))))
         return x, weights
 
 
