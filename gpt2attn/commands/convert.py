@@ -21,7 +21,9 @@ TOKENIZER_FILES = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder")
+    parser.add_argument(
+        "src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder"
+    )
     parser.add_argument("dst", help="output folder (created; config.json is written last)")
     parser.add_argument("--dtype", choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"],
                         help="store the weights in this dtype (default: as in SRC)")

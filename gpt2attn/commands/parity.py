@@ -6,7 +6,9 @@ HELP = "compare a checkpoint in gpt2attn and in transformers, layer by layer (no
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder")
+    parser.add_argument(
+        "src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", help="input text (needs tokenizer files in SRC)")
     source.add_argument("--tokens", type=int, default=16, help="N random token ids as input (default 16)")
