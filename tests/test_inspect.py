@@ -1,0 +1,154 @@
+"""gpt2attn.inspect: captured activations, edits, clean-up; the textbook attention formula."""
+
+import math
+
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel, causal_mask, inspect, scaled_dot_product_attention
+from gpt2attn.layers import no_tap
+from helpers import max_diff, randomize, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return randomize(GPT2LMHeadModel(tiny_config(n_layer=3)), seed=1).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+
+
+def test_textbook_formula_matches_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out, weights = scaled_dot_product_attention(q, k, v, causal_mask(5, 5))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(4)
+    scores = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), -math.inf)
+    expected_w = scores.exp() / scores.exp().sum(-1, keepdim=True)
+    assert max_diff(weights, expected_w) < 1e-12
+    assert max_diff(out, expected_w @ v) < 1e-12
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert max_diff(out, fused) < 1e-12
+
+
+def test_captured_weights_equal_output_attentions(model, ids):
+    with torch.no_grad(), inspect.capture(model, layers=[0, 2], names=["weights"]) as acts:
+        out = model(ids, output_attentions=True)
+    assert sorted(acts) == ["h.0.attn.weights", "h.2.attn.weights"]
+    for layer in (0, 2):
+        assert acts[f"h.{layer}.attn.weights"].shape == (2, 4, 9, 9)
+        assert torch.equal(acts[f"h.{layer}.attn.weights"], out.attentions[layer])
+
+
+def test_only_chosen_layers_leave_the_fast_path(model, ids):
+    seen = []
+    originals = [block.attn.eager for block in model.transformer.h]
+    with inspect.capture(model, layers=[1], names=["weights", "q"]):
+        seen = [block.attn.eager for block in model.transformer.h]
+        with torch.no_grad():
+            model(ids)
+    assert seen == [False, True, False]
+    with inspect.capture(model, layers=[0], names=["q"]):
+        assert not model.transformer.h[0].attn.eager  # q alone does not need the weights
+    assert [block.attn.eager for block in model.transformer.h] == originals
+
+
+def test_captured_qkv_equal_recompute_from_c_attn(model, ids):
+    with torch.no_grad(), inspect.capture(model, layers=[1], names=["ln_1", "q", "k", "v", "resid_pre"]) as acts:
+        model(ids)
+    attn = model.transformer.h[1].attn
+    x = acts["h.1.resid_pre"]
+    ln_1 = torch.nn.functional.layer_norm(x, (32,), model.transformer.h[1].ln_1.weight, model.transformer.h[1].ln_1.bias)
+    assert max_diff(acts["h.1.ln_1"], ln_1) < 1e-5
+    qkv = ln_1 @ attn.c_attn.weight + attn.c_attn.bias  # (B, T, 3C)
+    for i, name in enumerate("qkv"):
+        expected = qkv[..., 32 * i : 32 * (i + 1)].reshape(2, 9, 4, 8).permute(0, 2, 1, 3)  # (B, nh, T, hs)
+        assert max_diff(acts[f"h.1.attn.{name}"], expected) < 1e-5
+
+
+def test_residual_stream_adds_up(model, ids):
+    with torch.no_grad(), inspect.capture(model, layers=[0, 1]) as acts:
+        out = model(ids, output_hidden_states=True)
+    assert len(acts) == 2 * len(inspect.NAMES)
+    block = model.transformer.h[0]
+    assert max_diff(acts["h.0.resid_mid"], acts["h.0.resid_pre"] + acts["h.0.attn.out"]) < 1e-6
+    assert max_diff(acts["h.0.resid_post"], acts["h.0.resid_mid"] + acts["h.0.mlp.out"]) < 1e-6
+    heads = acts["h.0.attn.weights"] @ acts["h.0.attn.v"]
+    assert max_diff(acts["h.0.attn.heads"], heads) < 1e-5
+    merged = heads.transpose(1, 2).reshape(2, 9, 32)
+    assert max_diff(acts["h.0.attn.out"], merged @ block.attn.c_proj.weight + block.attn.c_proj.bias) < 1e-5
+    hidden = torch.nn.functional.gelu(acts["h.0.ln_2"] @ block.mlp.c_fc.weight + block.mlp.c_fc.bias, approximate="tanh")
+    assert max_diff(acts["h.0.mlp.hidden"], hidden) < 1e-5
+    assert torch.equal(acts["h.0.resid_pre"], out.hidden_states[0])
+    assert torch.equal(acts["h.1.resid_post"], out.hidden_states[2])
+
+
+@pytest.mark.parametrize("name", ["attn.weights", "attn.heads"])
+def test_zeroed_head_equals_head_mask(model, ids, name):
+    layer, head = 1, 2
+    head_mask = torch.ones(3, 4)
+    head_mask[layer, head] = 0
+    with torch.no_grad():
+        clean = model(ids, output_hidden_states=True)
+        masked = model(ids, head_mask=head_mask, output_hidden_states=True)
+        with inspect.edit(model, f"h.{layer}.{name}", inspect.zero_head(head)):
+            ablated = model(ids, output_hidden_states=True)
+    assert max_diff(ablated.logits, masked.logits) < 1e-5
+    assert max_diff(ablated.logits, clean.logits) > 1e-2
+    for i in range(layer + 1):  # embeddings and every block before the edited one: untouched
+        assert torch.equal(ablated.hidden_states[i], clean.hidden_states[i])
+
+
+def test_patched_residual_carries_the_other_run(model, ids):
+    other = ids.flip(1)
+    with torch.no_grad():
+        _, donor = inspect.run_with_cache(model, other, layers=[2], names=["resid_post"])
+        patched_from_last_block = inspect.edit(model, "h.2.resid_post", inspect.patch(donor["h.2.resid_post"]))
+        with patched_from_last_block:
+            patched = model(ids)
+        assert max_diff(patched.logits, model(other).logits) < 1e-5
+
+
+def test_edits_and_captures_nest_and_are_removed(model, ids):
+    with torch.no_grad():
+        with inspect.edit(model, {"h.0.attn.weights": inspect.zero_head(0)}):
+            with inspect.capture(model, layers=[0], names=["weights"]) as acts:
+                model(ids)
+        assert torch.all(acts["h.0.attn.weights"][:, 0] == 0)
+        assert torch.all(acts["h.0.attn.weights"][:, 1:].sum(-1).sub(1).abs() < 1e-5)
+    for block in model.transformer.h:
+        assert block.tap is no_tap and block.attn.tap is no_tap and block.mlp.tap is no_tap
+        assert not block.attn.eager
+
+
+def test_hooks_removed_after_an_exception(model, ids):
+    with pytest.raises(ValueError, match="must return a tensor of shape"):
+        with inspect.edit(model, "h.0.attn.q", lambda x: x[:, :1]):
+            model(ids)
+    assert all(block.attn.tap is no_tap for block in model.transformer.h)
+
+
+def test_capture_keeps_graph_when_asked(model, ids):
+    with inspect.capture(model, layers=[0], names=["resid_mid"], detach=False) as acts:
+        loss = model(ids, labels=ids).loss
+    (grad,) = torch.autograd.grad(loss, acts["h.0.resid_mid"])
+    assert grad.shape == (2, 9, 32) and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: inspect.capture(m, layers=[3]), "layer 3 is out of range"),
+        (lambda m: inspect.capture(m, names=["out"]), "ambiguous"),
+        (lambda m: inspect.capture(m, names=["keys"]), "unknown"),
+        (lambda m: inspect.edit(m, "attn.q", lambda x: x), "h.<layer>.<name>"),
+        (lambda m: inspect.edit(m, "h.0.q"), "needs fn"),
+        (lambda m: inspect.capture(torch.nn.Linear(2, 2)), "not a gpt2attn"),
+    ],
+)
+def test_bad_arguments_are_named(model, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(model)
