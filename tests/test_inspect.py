@@ -152,3 +152,81 @@ def test_capture_keeps_graph_when_asked(model, ids):
 def test_bad_arguments_are_named(model, call, message):
     with pytest.raises(ValueError, match=message):
         call(model)
+
+
+# gpt2attn attention (the command)
+
+TEXT = "hello there, general kenobi"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tiny random model saved with a character-level tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = sorted(set(TEXT))
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    folder = tmp_path_factory.mktemp("attn_model")
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=len(chars), n_positions=64)), seed=5)
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """gpt2attn.cli.main; until gpt2attn/tokenizer.py lands, tokenizer.json is read directly."""
+    try:
+        import gpt2attn.tokenizer  # noqa: F401
+    except ImportError:
+        import sys
+        import types
+
+        from tokenizers import Tokenizer
+
+        stub = types.ModuleType("gpt2attn.tokenizer")
+        stub.load_tokenizer = lambda folder: Tokenizer.from_file(str(folder) + "/tokenizer.json")
+        monkeypatch.setitem(sys.modules, "gpt2attn.tokenizer", stub)
+    from gpt2attn.cli import main
+
+    return main
+
+
+@pytest.mark.parametrize("head_args", [[], ["--head", "1"]])
+def test_attention_png_is_written(cli, model_folder, tmp_path, head_args):
+    out = tmp_path / "attn.png"
+    assert cli(["attention", "--model", str(model_folder), TEXT, "--layer", "1", *head_args, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert [p.name for p in tmp_path.iterdir()] == ["attn.png"]  # no temp file left behind
+
+
+def test_attention_json_has_tokens_and_weights(cli, model_folder, tmp_path):
+    import json
+
+    out = tmp_path / "attn.json"
+    assert cli(["attention", "--model", str(model_folder), TEXT, "--layer", "-1", "--format", "json", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    T = len(TEXT)
+    assert doc["layer"] == 1 and doc["heads"] == [0, 1, 2, 3] and "".join(doc["tokens"]).replace("␣", " ") == TEXT
+    weights = torch.tensor(doc["weights"])
+    assert weights.shape == (4, T, T)
+    model = GPT2LMHeadModel.from_pretrained(model_folder).eval()
+    ids = torch.tensor([[sorted(set(TEXT)).index(c) for c in TEXT]])
+    with torch.no_grad():
+        expected = model(ids, output_attentions=True).attentions[1][0]
+    assert max_diff(weights, expected) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--head", "4", "--out", "x.png"], "--head 4 is out of range"),
+        (["--layer", "2", "--out", "x.png"], "--layer 2 is out of range"),
+        ([], "--out FILE is needed"),
+    ],
+)
+def test_attention_bad_arguments(cli, model_folder, capsys, args, message):
+    assert cli(["attention", "--model", str(model_folder), TEXT, *args]) == 2
+    assert message in capsys.readouterr().err

@@ -35,7 +35,7 @@ def run(args) -> int:
         if args.out:
             from ..config import write_text_atomic
 
-            write_text_atomic(args.out, text)
+            write_text_atomic(Path(args.out), text)
         else:
             sys.stdout.write(text)
     else:
@@ -110,7 +110,8 @@ def draw(tokens: list[str], weights, layer: int, heads: list[int], out: str) -> 
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     out = Path(out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.", suffix=".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=100, bbox_inches="tight")
