@@ -1,13 +1,18 @@
 """Look inside a running model: record or edit any activation of chosen layers, by name.
 
-Names are "h.{layer}.{what}", with `what` one of NAMES:
+Names are "h.{layer}.{what}", with `what` one of NAMES, in the order the block computes them:
 
-    resid_pre      block input (B, T, C)            attn.heads   each head's output, before c_proj (B, nh, T, hs)
-    ln_1           ln_1 output (B, T, C)            attn.out     attention output after c_proj (B, T, C)
-    attn.q/k/v     per head (B, nh, T, hs)          resid_mid    residual stream after attention (B, T, C)
-    attn.weights   softmax probabilities            ln_2         ln_2 output (B, T, C)
-                   (B, nh, T, T_k)                  mlp.hidden   MLP hidden after the activation (B, T, inner)
-    mlp.out        MLP output (B, T, C)             resid_post   block output (B, T, C)
+    resid_pre     block input                                   (B, T, C)
+    ln_1          ln_1 output                                   (B, T, C)
+    attn.q/k/v    queries, keys, values per head                (B, nh, T, hs)
+    attn.weights  softmax probabilities (query rows, key cols)  (B, nh, T, T_k)
+    attn.heads    each head's output, before c_proj             (B, nh, T, hs)
+    attn.out      attention output after c_proj                 (B, T, C)
+    resid_mid     residual stream after attention               (B, T, C)
+    ln_2          ln_2 output                                   (B, T, C)
+    mlp.hidden    MLP hidden, after the activation              (B, T, inner)
+    mlp.out       MLP output                                    (B, T, C)
+    resid_post    block output                                  (B, T, C)
 
     with capture(model, layers=[0, 2], names=["weights", "q"]) as acts:
         model(ids)
@@ -59,7 +64,7 @@ def capture(
     return _tapped(blocks, {(i, name): record for i in layers for name in names}, acts)
 
 
-def edit(model: nn.Module, edits: str | dict[str, Callable[[Tensor], Tensor]], fn: Callable[[Tensor], Tensor] | None = None):
+def edit(model: nn.Module, edits: str | dict[str, Callable], fn: Callable[[Tensor], Tensor] | None = None):
     """Context manager that replaces activations: `edit(model, "h.1.attn.weights", fn)` or
     `edit(model, {name: fn, ...})`. fn gets a copy of the activation and returns the tensor the
     model goes on with (same shape). Yields None.
@@ -100,7 +105,13 @@ def zero_head(head: int) -> Callable[[Tensor], Tensor]:
 
 def patch(replacement: Tensor) -> Callable[[Tensor], Tensor]:
     """An edit that puts `replacement` in place of the activation (e.g. a residual from another run)."""
-    return lambda x: replacement.to(x.dtype).expand_as(x)
+
+    def replace(x: Tensor) -> Tensor:
+        if replacement.shape != x.shape:
+            raise ValueError(f"patch of shape {tuple(replacement.shape)} does not fit an activation of shape {tuple(x.shape)}")
+        return replacement.to(x.device, x.dtype)
+
+    return replace
 
 
 def _replacer(key: str, fn: Callable[[Tensor], Tensor]) -> Callable[[str, Tensor], Tensor]:
@@ -121,7 +132,9 @@ def _tapped(blocks: nn.ModuleList, taps: dict[tuple[int, str], Callable], result
         for i in sorted({layer for layer, _ in taps}):
             block = blocks[i]
             for module, prefix in ((block, ""), (block.attn, "attn."), (block.mlp, "mlp.")):
-                mine = {name[len(prefix):]: fn for (layer, name), fn in taps.items() if layer == i and _owner(name) == prefix}
+                mine = {
+                    name[len(prefix):]: fn for (layer, name), fn in taps.items() if layer == i and _owner(name) == prefix
+                }
                 if mine:
                     undo.enter_context(_swap(module, "tap", _chain(module.tap, mine, f"h.{i}.{prefix}")))
             if (i, "attn.weights") in taps:

@@ -230,3 +230,9 @@ def test_attention_json_has_tokens_and_weights(cli, model_folder, tmp_path):
 def test_attention_bad_arguments(cli, model_folder, capsys, args, message):
     assert cli(["attention", "--model", str(model_folder), TEXT, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_patch_of_the_wrong_shape_is_named(model, ids):
+    with pytest.raises(ValueError, match="does not fit"):
+        with inspect.edit(model, "h.0.resid_pre", inspect.patch(torch.zeros(1, 9, 32))):
+            model(ids)
