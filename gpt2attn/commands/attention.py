@@ -55,7 +55,7 @@ def attention_weights(src, text: str, layer: int, head: int | None):
 
     src = Path(src)
     if not src.is_dir():
-        raise FileNotFoundError(f"model folder {src} does not exist")
+        raise FileNotFoundError(f"model folder {src} does not exist (pass --model FOLDER)")
     tokenizer = load_tokenizer(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config
