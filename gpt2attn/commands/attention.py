@@ -49,13 +49,14 @@ def attention_weights(src, text: str, layer: int, head: int | None):
     """Returns (token labels, weights (n_heads_drawn, T, T) float32, layer, head indices)."""
     import torch
 
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"model folder {src} does not exist (pass --model FOLDER)")
+
     from .. import inspect
     from ..model import GPT2LMHeadModel
     from ..tokenizer import load_tokenizer
 
-    src = Path(src)
-    if not src.is_dir():
-        raise FileNotFoundError(f"model folder {src} does not exist (pass --model FOLDER)")
     tokenizer = load_tokenizer(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config
