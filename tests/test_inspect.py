@@ -43,14 +43,29 @@ def test_captured_weights_equal_output_attentions(model, ids):
         assert torch.equal(acts[f"h.{layer}.attn.weights"], out.attentions[layer])
 
 
-def test_only_chosen_layers_leave_the_fast_path(model, ids):
-    seen = []
+def test_only_chosen_layers_leave_the_fast_path(model, ids, monkeypatch):
+    import gpt2attn.layers
+
+    calls = []
+    fused, textbook = torch.nn.functional.scaled_dot_product_attention, gpt2attn.layers.scaled_dot_product_attention
+
+    def counting_fused(*args, **kwargs):
+        calls.append("fused")
+        return fused(*args, **kwargs)
+
+    def counting_textbook(*args):
+        calls.append("textbook")
+        return textbook(*args)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_fused)
+    monkeypatch.setattr(gpt2attn.layers, "scaled_dot_product_attention", counting_textbook)
     originals = [block.attn.eager for block in model.transformer.h]
     with inspect.capture(model, layers=[1], names=["weights", "q"]):
         seen = [block.attn.eager for block in model.transformer.h]
         with torch.no_grad():
             model(ids)
     assert seen == [False, True, False]
+    assert calls == ["fused", "textbook", "fused"]
     with inspect.capture(model, layers=[0], names=["q"]):
         assert not model.transformer.h[0].attn.eager  # q alone does not need the weights
     assert [block.attn.eager for block in model.transformer.h] == originals
