@@ -108,7 +108,8 @@ def patch(replacement: Tensor) -> Callable[[Tensor], Tensor]:
 
     def replace(x: Tensor) -> Tensor:
         if replacement.shape != x.shape:
-            raise ValueError(f"patch of shape {tuple(replacement.shape)} does not fit an activation of shape {tuple(x.shape)}")
+            shapes = f"{tuple(replacement.shape)} does not fit an activation of shape {tuple(x.shape)}"
+            raise ValueError(f"patch of shape {shapes}")
         return replacement.to(x.device, x.dtype)
 
     return replace
@@ -128,17 +129,19 @@ def _replacer(key: str, fn: Callable[[Tensor], Tensor]) -> Callable[[str, Tensor
 @contextmanager
 def _tapped(blocks: nn.ModuleList, taps: dict[tuple[int, str], Callable], result) -> Iterator:
     """Install taps {(layer, full name): fn(key, x) -> x} and remove them on exit."""
+    per_module: dict[tuple[int, str], dict[str, Callable]] = {}
+    for (layer, name), fn in taps.items():
+        owner, _, short = name.rpartition(".")  # "attn.q" -> ("attn", "q"); "ln_1" -> ("", "ln_1")
+        per_module.setdefault((layer, owner), {})[short] = fn
     with ExitStack() as undo:
-        for i in sorted({layer for layer, _ in taps}):
-            block = blocks[i]
-            for module, prefix in ((block, ""), (block.attn, "attn."), (block.mlp, "mlp.")):
-                mine = {
-                    name[len(prefix):]: fn for (layer, name), fn in taps.items() if layer == i and _owner(name) == prefix
-                }
-                if mine:
-                    undo.enter_context(_swap(module, "tap", _chain(module.tap, mine, f"h.{i}.{prefix}")))
-            if (i, "attn.weights") in taps:
-                undo.enter_context(_swap(block.attn, "eager", True))
+        for (layer, owner), mine in per_module.items():
+            module = getattr(blocks[layer], owner) if owner else blocks[layer]
+            prefix = f"h.{layer}.{owner}." if owner else f"h.{layer}."
+            if not hasattr(module, "tap"):
+                raise ValueError(f"{prefix[:-1]} is a {type(module).__name__}, which has no {', '.join(mine)} to tap")
+            undo.enter_context(_swap(module, "tap", _chain(module.tap, mine, prefix)))
+            if owner == "attn" and "weights" in mine:
+                undo.enter_context(_swap(module, "eager", True))
         yield result
 
 
@@ -159,10 +162,6 @@ def _swap(obj, attr: str, value):
         yield
     finally:
         setattr(obj, attr, old)
-
-
-def _owner(name: str) -> str:
-    return name.split(".")[0] + "." if "." in name else ""
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:

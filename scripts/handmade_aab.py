@@ -100,7 +100,8 @@ def main() -> None:
     with torch.no_grad(), inspect.capture(model, names=["weights"]) as acts:
         logits = model(last).logits[0, -1]
     weights = acts["h.0.attn.weights"][0, 0]  # (T, T)
-    print(f"last window {text[-CONTEXT:]!r} -> predicts {VOCAB[logits.argmax()]!r}; attention (query rows, key columns):")
+    print(f"last window {text[-CONTEXT:]!r} -> predicts {VOCAB[logits.argmax()]!r}")
+    print("attention weights (query rows, key columns):")
     print("     " + "".join(f"{c + '@' + str(j):>6}" for j, c in enumerate(text[-CONTEXT:])))
     for i, row in enumerate(weights):
         print(f"{text[-CONTEXT + i]}@{i}  " + "".join(f"{w:6.2f}" for w in row.tolist()))

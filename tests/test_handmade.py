@@ -60,3 +60,12 @@ def test_script_prints_accuracy_and_attention(handmade, capsys):
     handmade.main()
     out = capsys.readouterr().out
     assert "100%" in out and "0.50" in out
+
+
+def test_capture_names_a_replaced_module(handmade):
+    from gpt2attn import inspect
+
+    model = handmade.build_model()
+    with pytest.raises(ValueError, match="h.0.mlp is a NoMLP"):
+        with inspect.capture(model, names=["mlp.hidden"]):
+            pass

@@ -76,7 +76,8 @@ def test_captured_qkv_equal_recompute_from_c_attn(model, ids):
         model(ids)
     attn = model.transformer.h[1].attn
     x = acts["h.1.resid_pre"]
-    ln_1 = torch.nn.functional.layer_norm(x, (32,), model.transformer.h[1].ln_1.weight, model.transformer.h[1].ln_1.bias)
+    ln = model.transformer.h[1].ln_1
+    ln_1 = torch.nn.functional.layer_norm(x, (32,), ln.weight, ln.bias)
     assert max_diff(acts["h.1.ln_1"], ln_1) < 1e-5
     qkv = ln_1 @ attn.c_attn.weight + attn.c_attn.bias  # (B, T, 3C)
     for i, name in enumerate("qkv"):
@@ -95,7 +96,8 @@ def test_residual_stream_adds_up(model, ids):
     assert max_diff(acts["h.0.attn.heads"], heads) < 1e-5
     merged = heads.transpose(1, 2).reshape(2, 9, 32)
     assert max_diff(acts["h.0.attn.out"], merged @ block.attn.c_proj.weight + block.attn.c_proj.bias) < 1e-5
-    hidden = torch.nn.functional.gelu(acts["h.0.ln_2"] @ block.mlp.c_fc.weight + block.mlp.c_fc.bias, approximate="tanh")
+    pre_activation = acts["h.0.ln_2"] @ block.mlp.c_fc.weight + block.mlp.c_fc.bias
+    hidden = torch.nn.functional.gelu(pre_activation, approximate="tanh")
     assert max_diff(acts["h.0.mlp.hidden"], hidden) < 1e-5
     assert torch.equal(acts["h.0.resid_pre"], out.hidden_states[0])
     assert torch.equal(acts["h.1.resid_post"], out.hidden_states[2])
@@ -221,7 +223,8 @@ def test_attention_json_has_tokens_and_weights(cli, model_folder, tmp_path):
     import json
 
     out = tmp_path / "attn.json"
-    assert cli(["attention", "--model", str(model_folder), TEXT, "--layer", "-1", "--format", "json", "--out", str(out)]) == 0
+    args = ["attention", "--model", str(model_folder), TEXT, "--layer", "-1", "--format", "json", "--out", str(out)]
+    assert cli(args) == 0
     doc = json.loads(out.read_text())
     T = len(TEXT)
     assert doc["layer"] == 1 and doc["heads"] == [0, 1, 2, 3] and "".join(doc["tokens"]).replace("␣", " ") == TEXT
