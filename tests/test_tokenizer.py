@@ -1,0 +1,58 @@
+import shutil
+
+import pytest
+import transformers
+from tokenizers import Tokenizer
+
+from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
+from helpers import shared_data
+
+TEXTS = ["Hello world", " leading space", "multi  spaces\tand\nnewlines", "émoji 🙂 ünïcödé", "<|endoftext|>after"]
+
+
+def test_gpt2_tokenizer_matches_transformers():
+    folder = shared_data("gpt2-tokenizer")
+    ours = load_tokenizer(folder)
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    assert ours.encode("Hello world").ids == hf("Hello world")["input_ids"]
+    for text in TEXTS:
+        ids = ours.encode(text).ids
+        assert ids == hf(text)["input_ids"], text
+        assert ours.decode(ids) == text
+    assert ours.token_to_id("<|endoftext|>") == hf.eos_token_id
+
+
+def test_openai_file_names_and_tokenizer_json(tmp_path):
+    folder = shared_data("gpt2-tokenizer")
+    shutil.copy(folder / "vocab.json", tmp_path / "encoder.json")
+    shutil.copy(folder / "merges.txt", tmp_path / "vocab.bpe")
+    openai = load_tokenizer(tmp_path)
+    hf_names = load_tokenizer(folder)
+    hf_names.save(str(tmp_path / "tokenizer.json"))
+    reloaded = load_tokenizer(tmp_path)  # tokenizer.json now takes precedence
+    for text in TEXTS:
+        assert openai.encode(text).ids == hf_names.encode(text).ids == reloaded.encode(text).ids
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="non-empty"):
+        char_tokenizer("")
+
+
+def test_char_tokenizer_round_trips_and_loads_elsewhere(tmp_path):
+    corpus = "First Citizen:\nBefore we proceed any further, hear me speak.\n\tAll:  Speak, speak!"
+    tok = char_tokenizer(corpus)
+    chars = sorted(set(corpus))
+    assert tok.get_vocab_size() == len(chars)
+    text = "speak,  hear me\n"
+    ids = tok.encode(text).ids
+    assert ids == [chars.index(c) for c in text]  # nanoGPT's stoi
+    assert tok.decode(ids) == text
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert Tokenizer.from_file(str(path)).encode(text).ids == ids
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    assert fast(text)["input_ids"] == ids
+    assert fast.decode(ids) == text
