@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel
+from helpers import hf_twin, randomize, tiny_config
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1).eval()
+    return model, hf_twin(model).eval()
+
+
+def test_greedy_matches_transformers(models):
+    model, hf = models
+    prompt = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    ours = model.generate(prompt, max_new_tokens=20)
+    theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(ours, theirs)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(models):
+    model, hf = models
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 97, (n,), generator=g) for n in (6, 3, 1)]
+    ids = torch.zeros(3, 6, dtype=torch.long)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, 6 - len(p) :], mask[row, 6 - len(p) :] = p, 1
+    batch = model.generate(ids, max_new_tokens=12, attention_mask=mask)
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(batch, theirs)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=12)
+        assert torch.equal(batch[row, 6:], alone[0, len(p) :])
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(models):
+    model, _ = models
+    prompt = torch.tensor([[5, 6, 7]])
+    a = model.generate(prompt, max_new_tokens=15, do_sample=True, seed=11)
+    b = model.generate(prompt, max_new_tokens=15, do_sample=True, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(a, b)
+    greedy = model.generate(prompt, max_new_tokens=15)
+    assert torch.equal(model.generate(prompt, max_new_tokens=15, do_sample=True, top_k=1, seed=4), greedy)
+    assert torch.equal(model.generate(prompt, max_new_tokens=15, do_sample=True, temperature=1e-4, seed=4), greedy)
+
+
+@torch.no_grad()
+def test_filtered_tokens_are_never_sampled(models):
+    model, _ = models
+    prompt = torch.tensor([[9, 8, 7, 6]])
+    logits = model(prompt).logits[0, -1]
+    for kw, allowed in (
+        (dict(top_k=5), set(logits.topk(5).indices.tolist())),
+        (dict(top_p=0.5), _nucleus(logits, 0.5)),
+    ):
+        seen = {int(model.generate(prompt, max_new_tokens=1, do_sample=True, seed=s, **kw)[0, -1]) for s in range(200)}
+        assert seen <= allowed, (kw, seen, allowed)
+        assert len(seen) > 1 or len(allowed) == 1  # it does sample, not just take the argmax
+
+
+def _nucleus(logits, top_p):
+    """Smallest set of most likely tokens whose probability reaches top_p (computed with numpy)."""
+    import numpy as np
+
+    p = np.exp(logits.double().numpy() - logits.double().numpy().max())
+    p /= p.sum()
+    keep, mass = set(), 0.0
+    for i in np.argsort(-p):
+        keep.add(int(i))
+        mass += p[i]
+        if mass >= top_p:
+            return keep
+    return keep
+
+
+def test_repetition_penalty_matches_transformers(models):
+    model, hf = models
+    prompt = torch.tensor([[3, 4, 3, 4, 3]])
+    ours = model.generate(prompt, max_new_tokens=15, repetition_penalty=1.8)
+    theirs = hf.generate(prompt, max_new_tokens=15, do_sample=False, repetition_penalty=1.8, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(ours, theirs)
+
+
+def test_eos_stops_each_row(models):
+    model, hf = models
+    prompt = torch.tensor([[1, 2, 3], [40, 41, 42]])
+    free = model.generate(prompt, max_new_tokens=10)
+    eos = int(free[0, 5])  # row 0's third new token
+    out = model.generate(prompt, max_new_tokens=10, eos_token_id=eos, pad_token_id=96)
+    theirs = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=96)
+    assert torch.equal(out, theirs)
+    first = (free[0, 3:] == eos).nonzero()[0, 0] + 3
+    assert out[0, first] == eos and (out[0, first + 1 :] == 96).all()
+
+
+def test_streaming_yields_the_same_tokens(models):
+    model, _ = models
+    prompt = torch.tensor([[5, 6]])
+    steps = list(model.generate(prompt, max_new_tokens=8, stream=True))
+    assert torch.equal(torch.stack(steps, dim=1), model.generate(prompt, max_new_tokens=8)[:, 2:])
+
+
+def test_bad_requests_raise_before_work(models):
+    model, _ = models
+    with pytest.raises(ValueError, match="n_positions=64"):
+        model.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=5)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), do_sample=True, temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), top_p=1.5)
