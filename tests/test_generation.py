@@ -110,3 +110,19 @@ def test_bad_requests_raise_before_work(models):
         model.generate(torch.zeros(1, 3, dtype=torch.long), do_sample=True, temperature=0)
     with pytest.raises(ValueError, match="top_p"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), top_p=1.5)
+
+
+def test_cli_streams_the_same_text_as_generate(tmp_path, capsys, models):
+    from gpt2attn.cli import main
+    from gpt2attn.tokenizer import char_tokenizer
+
+    model, _ = models
+    alphabet = "".join(chr(c) for c in range(32, 32 + 97))  # 97 characters = vocab_size
+    tokenizer = char_tokenizer(alphabet)
+    model.save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert main(["generate", "--model", str(tmp_path), "--greedy", "--max-new-tokens", "12", "hello"]) == 0
+    expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=12)
+    assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
+    assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
+    assert "no model at" in capsys.readouterr().err
