@@ -227,11 +227,12 @@ def test_attention_json_has_tokens_and_weights(cli, model_folder, tmp_path):
     assert cli(args) == 0
     doc = json.loads(out.read_text())
     T = len(TEXT)
-    assert doc["layer"] == 1 and doc["heads"] == [0, 1, 2, 3] and "".join(doc["tokens"]).replace("␣", " ") == TEXT
+    assert doc["layer"] == 1 and doc["heads"] == [0, 1, 2, 3] and doc["tokens"] == list(TEXT)
+    ids = torch.tensor([[sorted(set(TEXT)).index(c) for c in TEXT]])
+    assert doc["ids"] == ids[0].tolist()
     weights = torch.tensor(doc["weights"])
     assert weights.shape == (4, T, T)
     model = GPT2LMHeadModel.from_pretrained(model_folder).eval()
-    ids = torch.tensor([[sorted(set(TEXT)).index(c) for c in TEXT]])
     with torch.no_grad():
         expected = model(ids, output_attentions=True).attentions[1][0]
     assert max_diff(weights, expected) < 1e-5

@@ -27,9 +27,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.format == "png" and not args.out:
         raise ValueError("--out FILE is needed for a png (or use --format json)")
-    tokens, weights, layer, heads = attention_weights(args.model, args.text, args.layer, args.head)
+    ids, tokens, weights, layer, heads = attention_weights(args.model, args.text, args.layer, args.head)
     if args.format == "json":
-        doc = {"model": str(args.model), "layer": layer, "heads": heads, "tokens": tokens,
+        doc = {"model": str(args.model), "layer": layer, "heads": heads, "ids": ids, "tokens": tokens,
                "weights": [[[round(w, 6) for w in row] for row in head] for head in weights.tolist()]}
         text = json.dumps(doc) + "\n"
         if args.out:
@@ -39,14 +39,14 @@ def run(args) -> int:
         else:
             sys.stdout.write(text)
     else:
-        draw(tokens, weights, layer, heads, args.out)
+        draw([token_label(t) for t in tokens], weights, layer, heads, args.out)
     if args.out:
         print(f"wrote {args.out}: layer {layer}, {len(heads)} head(s), {len(tokens)} tokens", file=sys.stderr)
     return 0
 
 
 def attention_weights(src, text: str, layer: int, head: int | None):
-    """Returns (token labels, weights (n_heads_drawn, T, T) float32, layer, head indices)."""
+    """Returns (ids, token texts, weights (n_heads_drawn, T, T) float32, layer, head indices)."""
     import torch
 
     src = Path(src)
@@ -74,7 +74,7 @@ def attention_weights(src, text: str, layer: int, head: int | None):
         _, acts = inspect.run_with_cache(model, torch.tensor([ids]), layers=[layer], names=["weights"])
     weights = acts[f"h.{layer}.attn.weights"][0].float()  # (nh, T, T)
     heads = list(range(cfg.n_head)) if head is None else [head]
-    return [token_label(tokenizer.decode([i])) for i in ids], weights[heads], layer, heads
+    return ids, [tokenizer.decode([i]) for i in ids], weights[heads], layer, heads
 
 
 def token_label(piece: str) -> str:
