@@ -88,6 +88,18 @@ class GPT2PreTrainedModel(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.base_model.gradient_checkpointing = False
 
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str | None = None) -> torch.optim.AdamW:
+        """AdamW that decays only matrices and embeddings (>= 2-D), not biases or LayerNorm
+        gains; fused on CUDA and CPU, where torch has a fused kernel."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        device_type = device_type or self.device.type
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
+
     @property
     def base_model(self) -> "GPT2Model":
         return self
