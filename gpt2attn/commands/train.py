@@ -1,12 +1,25 @@
-"""PLACEHOLDER: the owner of this command replaces this whole file."""
+"""`gpt2attn train --config FILE [--key=value ...]`: train or fine-tune a GPT-2."""
 
-HELP = "train (not written yet)"
+from __future__ import annotations
 
-
-def add_arguments(parser):
-    pass
-
-
-def run(args):
-    raise NotImplementedError("gpt2attn train is not written yet")
+HELP = "train or fine-tune a GPT-2 (TOML recipe; any key overridable as --key=value)"
 TAKES_OVERRIDES = True
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/train/shakespeare_char_cpu.toml")
+    parser.epilog = (
+        "Every key of the recipe can be overridden: --data=PATH --out_dir=DIR --max_iters=500 "
+        "--init_from=gpt2 --dtype=bfloat16 --compile --resume. Under torchrun it runs DDP (--fsdp for FSDP)."
+    )
+
+
+def run(args) -> int:
+    from ..training import load_config, train
+
+    config = load_config(args.config, args.overrides)
+    result = train(config)
+    if result["val_loss"] is not None:
+        print(f"step {result['step']}: train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f}, "
+              f"{result['seconds']:.1f} s; model in {result['model_dir']}")
+    return 0

@@ -1,0 +1,82 @@
+"""One process or many: `torchrun --nproc_per_node=N gpt2attn train ...` runs DDP (gloo on CPU,
+NCCL on CUDA), or FSDP with `--fsdp`. Without torchrun's variables everything is a no-op."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def setup(device_name: str) -> tuple[Dist, torch.device]:
+    """Join torchrun's process group when its environment is set; returns (dist info, device)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist(), pick_device(device_name)
+    info = Dist(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    device = pick_device(device_name, info.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return info, device
+
+
+def wrap(model: nn.Module, info: Dist, device: torch.device, fsdp: bool) -> nn.Module:
+    """DDP or FSDP around model when there are several processes; model itself otherwise."""
+    if not info.enabled:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=device if device.type == "cuda" else None, use_orig_params=True)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def mean_over_processes(value: torch.Tensor, info: Dist) -> torch.Tensor:
+    if info.enabled:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        value /= info.world_size
+    return value
+
+
+def barrier(info: Dist) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def cleanup(info: Dist) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
