@@ -50,12 +50,12 @@ class TrainConfig:
     plot: bool = True  # loss.png at the end
 
     def validate(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+        for name in ("learning_rate", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                      "eval_interval", "eval_iters", "log_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_iters < 0 or self.warmup_iters < 0:
-            raise ValueError("max_iters and warmup_iters must be >= 0")
+        if self.max_iters <= 0 or self.warmup_iters < 0:
+            raise ValueError(f"max_iters must be positive and warmup_iters >= 0, got {self.max_iters}, {self.warmup_iters}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -80,3 +80,22 @@ def barrier(info: Dist) -> None:
 def cleanup(info: Dist) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_full_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer, like: nn.Module):
+    """FSDP: the whole model (a copy of `like` holding the gathered weights, on the CPU) and
+    the whole optimizer state, for checkpoints. Every process must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=options)
+    full = type(like)(like.config)
+    full.load_state_dict(model_state)
+    return full, optimizer_state
+
+
+def load_sharded_optimizer(wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """FSDP: give each process its shard of a full optimizer state from gather_full_state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(wrapped, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -43,8 +43,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run cfg; returns the last step, losses and wall time."""
     cfg.validate()
-    if cfg.learning_rate <= 0:
-        raise ValueError(f"learning_rate must be positive, got {cfg.learning_rate}")
     info, device = distributed.setup(cfg.device)
     try:
         return _train(cfg, info, device)
@@ -75,25 +73,30 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
     data = TokenData(out_dir / "data", cfg.block_size)
 
     # Model: from scratch, from a pretrained source, or from the checkpoint.
-    torch.manual_seed(cfg.seed + info.rank)
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process
     model = build_model(cfg, data.vocab_size, checkpoint).to(device)
+    torch.manual_seed(cfg.seed + info.rank)  # but each its own dropout masks
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.learning_rate)
     batch_rng = torch.Generator().manual_seed(cfg.seed)  # the data position: same on every process
     step = 0
+    raw_model = model
+    model = wrapped = distributed.wrap(model, info, device, cfg.fsdp)
+    sharded = cfg.fsdp and info.enabled
     if checkpoint is not None:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=True)
+        if sharded:
+            distributed.load_sharded_optimizer(wrapped, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         batch_rng.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"][info.rank % len(state["torch_rng"])])
         if device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"])
         step = state["step"]
-    raw_model = model
-    model = distributed.wrap(model, info, device, cfg.fsdp)
     if cfg.compile:
         model = torch.compile(model)
 
@@ -132,14 +135,14 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
         lr = scheduler.get_last_lr()[0]
         for micro, micro_offsets in enumerate(mine):
             last = micro == local_accum - 1
-            sync = contextlib.nullcontext() if last or not info.enabled else model.no_sync()
+            sync = contextlib.nullcontext() if last or not info.enabled else wrapped.no_sync()
             with sync:
                 loss = loss_of(*data.batch("train", micro_offsets)) / local_accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
-            clip = model.clip_grad_norm_ if cfg.fsdp and info.enabled else _clip(raw_model)
+            clip = wrapped.clip_grad_norm_ if sharded else _clip(raw_model)
             clip(cfg.grad_clip)
         scaler.step(optimizer)
         scaler.update()
@@ -161,19 +164,22 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
             metrics.write(row)
             progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
             if eval_now:
-                state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                weights, optimizer_state = (distributed.gather_full_state(wrapped, optimizer, raw_model) if sharded
+                                            else (raw_model, optimizer.state_dict()))
+                state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                          "batch_rng": batch_rng.get_state(), "torch_rng": _gather_rng(info),
                          "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None,
                          "train_config": cfg.to_dict()}
                 if info.is_main:
-                    save_checkpoint(out_dir, raw_model, state)
+                    save_checkpoint(out_dir, weights, state)
                 distributed.barrier(info)
             last_log_time, last_log_step = time.perf_counter(), step
     progress.close()
 
     model_dir = out_dir / "model"
     if info.is_main:
-        save_model(raw_model, model_dir, out_dir / "data" / "tokenizer.json")
+        shutil.copytree(latest_checkpoint(out_dir), model_dir, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("training_state.pt"))
         if cfg.plot:
             plot_losses(metrics.path, out_dir / "loss.png")
     distributed.barrier(info)
@@ -228,6 +234,7 @@ def save_model(model: GPT2LMHeadModel, folder: Path, tokenizer_json: Path) -> No
     """An HF model folder (config.json, model.safetensors) with its tokenizer.json."""
     model.save_pretrained(folder)
     write_text_atomic(folder / "tokenizer.json", tokenizer_json.read_text(encoding="utf-8"))
+    os.chmod(folder / "tokenizer.json", 0o644)  # as save_pretrained's files, not mkstemp's 0600
 
 
 def save_checkpoint(out_dir: Path, model: GPT2LMHeadModel, state: dict[str, Any]) -> Path:

@@ -1,0 +1,93 @@
+"""Training-step time, ours vs transformers.GPT2LMHeadModel, in one process.
+
+    python scripts/bench.py train                       # shakespeare_char_cpu shapes, fp32, CPU
+    python scripts/bench.py train --preset gpt2 --batch-size 8 --block-size 1024 --device cuda --dtype bfloat16
+
+A step is what `gpt2attn train` does: forward, fp32 cross-entropy, backward, clip at 1.0, fused
+AdamW, zero_grad(set_to_none). Both models get the same weights, batch and optimizer settings;
+the steps are timed in turns. On CUDA the model FLOP utilisation (MFU) is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import interleaved_medians, machine_line, matmul_gflops
+from gpt2attn import GPT2Config, GPT2LMHeadModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def train_flops_per_token(config: GPT2Config, T: int) -> float:
+    """PaLM's estimate: 6 per parameter (without position embeddings) + attention's 12·L·C·T."""
+    n_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd
+    return 6 * n_params + 12 * config.n_layer * config.n_embd * T
+
+
+def make_step(model, batch, dtype, device):
+    x, y = batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step():
+        with autocast:
+            logits = model(x, use_cache=False).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py train", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", help="gpt2, gpt2-medium, ... (default: the 4x128 char model, vocab 65)")
+    parser.add_argument("--batch-size", type=int, default=12)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100 bf16 dense: 989)")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.preset:
+        config = GPT2Config.from_preset(args.preset)
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    else:
+        config = GPT2Config(vocab_size=65, n_positions=args.block_size, n_embd=128, n_layer=4, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    ours = GPT2LMHeadModel(config).to(device).train()
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(config.to_dict()))
+    theirs.load_state_dict(ours.state_dict())
+    theirs = theirs.to(device).train()
+    ids = torch.randint(0, config.vocab_size, (args.batch_size, args.block_size + 1), device=device)
+    batch = (ids[:, :-1], ids[:, 1:])
+
+    print(machine_line())
+    if device.type == "cpu":
+        print(f"fp32 matmul roofline: {matmul_gflops():.0f} GFLOP/s")
+    print(f"model: {config.n_layer} layers, n_embd {config.n_embd}, vocab {config.vocab_size}; "
+          f"batch {args.batch_size} x {args.block_size} tokens, {args.dtype}, transformers "
+          f"{transformers.__version__} ({theirs.config._attn_implementation} attention)")
+    steps = {"gpt2attn": make_step(ours, batch, dtype, device), "transformers": make_step(theirs, batch, dtype, device)}
+    times = interleaved_medians(steps, repeats=args.repeats, warmup=3)
+    tokens = args.batch_size * args.block_size
+    flops = train_flops_per_token(config, args.block_size) * tokens
+    for name, seconds in times.items():
+        line = f"{name:>12}: {seconds * 1e3:8.2f} ms/step  {tokens / seconds:10.0f} tokens/s  {flops / seconds / 1e9:7.1f} GFLOP/s"
+        if device.type == "cuda":
+            line += f"  MFU {flops / seconds / (args.peak_tflops * 1e12):.1%}"
+        print(line)
+    print(f"speed-up (transformers time / ours): {times['transformers'] / times['gpt2attn']:.2f}x")
+    return 0
