@@ -132,17 +132,19 @@ def test_resume_after_kill_gives_the_uninterrupted_curve(text_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_equal_one_process(text_file, tmp_path):
-    """torchrun with 2 CPU processes (DDP, gloo), 1 micro-batch each, against 1 process
+@pytest.mark.parametrize("sharding", ["--fsdp=false", "--fsdp=true"])
+def test_two_gloo_processes_equal_one_process(text_file, tmp_path, sharding):
+    """torchrun with 2 CPU processes (DDP or FSDP, gloo), 1 micro-batch each, against 1 process
     accumulating the same 2 micro-batches: the weights agree after a few steps."""
     args = [f"--data={text_file}", *TINY, "--max_iters=6", "--eval_interval=6", "--gradient_accumulation_steps=2",
-            "--plot=false", "--device=cpu"]
+            "--plot=false", "--device=cpu", sharding]
     train(load_config(None, [*args, f"--out_dir={tmp_path / 'one'}"]))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "gpt2attn.cli", "train", *args, f"--out_dir={tmp_path / 'two'}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("val loss") == 1  # one report, from the main process
     one = load_file(tmp_path / "one" / "model" / "model.safetensors")
     two = load_file(tmp_path / "two" / "model" / "model.safetensors")
     assert one.keys() == two.keys()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 HELP = "train or fine-tune a GPT-2 (TOML recipe; any key overridable as --key=value)"
 TAKES_OVERRIDES = True
 
@@ -19,7 +21,7 @@ def run(args) -> int:
 
     config = load_config(args.config, args.overrides)
     result = train(config)
-    if result["val_loss"] is not None:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, only the main process reports
         print(f"step {result['step']}: train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f}, "
               f"{result['seconds']:.1f} s; model in {result['model_dir']}")
     return 0

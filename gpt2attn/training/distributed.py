@@ -1,8 +1,9 @@
 """One process or many: `torchrun --nproc_per_node=N gpt2attn train ...` runs DDP (gloo on CPU,
-NCCL on CUDA), or FSDP with `--fsdp`. Without torchrun's variables everything is a no-op."""
+NCCL on CUDA), or FSDP2 (`fully_shard`) with `--fsdp`. Without torchrun's variables everything is a no-op."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -52,16 +53,37 @@ def setup(device_name: str) -> tuple[Dist, torch.device]:
 
 
 def wrap(model: nn.Module, info: Dist, device: torch.device, fsdp: bool) -> nn.Module:
-    """DDP or FSDP around model when there are several processes; model itself otherwise."""
+    """DDP around model, or FSDP (fully_shard: each block's weights split over the processes,
+    in place), when there are several processes; model itself otherwise."""
     if not info.enabled:
         return model
     if fsdp:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-        return FullyShardedDataParallel(model, device_id=device if device.type == "cuda" else None, use_orig_params=True)
+        mesh = init_device_mesh(device.type, (info.world_size,))
+        for block in model.base_model.h:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(wrapped: nn.Module, info: Dist, fsdp: bool):
+    """Accumulate this micro-batch's gradients locally, without the all-reduce."""
+    if not info.enabled:
+        yield
+    elif fsdp:
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+    else:
+        with wrapped.no_sync():
+            yield
 
 
 def mean_over_processes(value: torch.Tensor, info: Dist) -> torch.Tensor:
@@ -84,11 +106,14 @@ def cleanup(info: Dist) -> None:
 
 def gather_full_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer, like: nn.Module):
     """FSDP: the whole model (a copy of `like` holding the gathered weights, on the CPU) and
-    the whole optimizer state, for checkpoints. Every process must call it."""
+    the whole optimizer state, for checkpoints, in the main process (None elsewhere). Every
+    process must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=options)
+    if not model_state:  # with cpu_offload only the main process receives the state
+        return None, None
     full = type(like)(like.config)
     full.load_state_dict(model_state)
     return full, optimizer_state

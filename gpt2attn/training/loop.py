@@ -78,13 +78,13 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
     torch.manual_seed(cfg.seed + info.rank)  # but each its own dropout masks
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.learning_rate)
-    batch_rng = torch.Generator().manual_seed(cfg.seed)  # the data position: same on every process
-    step = 0
     raw_model = model
     model = wrapped = distributed.wrap(model, info, device, cfg.fsdp)
     sharded = cfg.fsdp and info.enabled
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.learning_rate)
+    batch_rng = torch.Generator().manual_seed(cfg.seed)  # the data position: same on every process
+    step = 0
     if checkpoint is not None:
         state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=True)
         if sharded:
@@ -135,15 +135,13 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
         lr = scheduler.get_last_lr()[0]
         for micro, micro_offsets in enumerate(mine):
             last = micro == local_accum - 1
-            sync = contextlib.nullcontext() if last or not info.enabled else wrapped.no_sync()
-            with sync:
+            with contextlib.nullcontext() if last else distributed.no_gradient_sync(wrapped, info, cfg.fsdp):
                 loss = loss_of(*data.batch("train", micro_offsets)) / local_accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
-            clip = wrapped.clip_grad_norm_ if sharded else _clip(raw_model)
-            clip(cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip, foreach=True)
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
@@ -205,10 +203,6 @@ def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: Path | None) -> G
         bos_token_id=None, eos_token_id=None,
     )
     return GPT2LMHeadModel(config)
-
-
-def _clip(model: nn.Module):
-    return lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
 
 
 def _gather_rng(info: distributed.Dist) -> list[Tensor]:
