@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     theirs.load_state_dict(ours.state_dict())
     theirs = theirs.to(device).train()
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.block_size + 1), device=device)
-    batch = (ids[:, :-1], ids[:, 1:])
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
     print(machine_line())
     if device.type == "cpu":
