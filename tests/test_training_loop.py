@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -62,15 +63,24 @@ def test_train_writes_metrics_checkpoints_model_and_plot(text_file, tmp_path):
 
 
 def test_grad_accumulation_equals_bigger_batch(text_file, tmp_path):
-    """Two micro-batches of 4 accumulated give the update of one batch of 8 (same blocks)."""
+    """Two micro-batches of 4 accumulated give the update of one batch of 8 (same blocks);
+    gradient checkpointing in the second run changes nothing either."""
     train(_config(text_file, tmp_path / "a", "--max_iters=3", "--eval_interval=3", "--batch_size=4",
                   "--gradient_accumulation_steps=2", "--plot=false"))
     train(_config(text_file, tmp_path / "b", "--max_iters=3", "--eval_interval=3", "--batch_size=8",
-                  "--gradient_accumulation_steps=1", "--eval_iters=1", "--plot=false"))
+                  "--gradient_accumulation_steps=1", "--eval_iters=1", "--plot=false", "--gradient_checkpointing"))
     a = load_file(tmp_path / "a" / "model" / "model.safetensors")
     b = load_file(tmp_path / "b" / "model" / "model.safetensors")
     for name in a:
         assert max_diff(a[name], b[name]) < 1e-5, name
+
+
+def test_bf16_autocast_run_learns(text_file, tmp_path):
+    result = train(_config(text_file, tmp_path, "--max_iters=30", "--eval_interval=30", "--dtype=bfloat16", "--plot=false"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    vocab = GPT2LMHeadModel.from_pretrained(tmp_path / "model").config.vocab_size
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and result["val_loss"] < 0.8 * math.log(vocab)
+    assert GPT2LMHeadModel.from_pretrained(tmp_path / "model").dtype == torch.float32  # fp32 master weights
 
 
 def test_init_from_pretrained_fine_tunes(text_file, tmp_path):
