@@ -126,3 +126,25 @@ def test_cli_streams_the_same_text_as_generate(tmp_path, capsys, models):
     assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
     assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
     assert "no model at" in capsys.readouterr().err
+
+
+def test_cli_window_slides_past_the_context(models):
+    """gpt2attn generate goes on past n_positions (64 here) from the last half of the text."""
+    from gpt2attn.commands.generate import continue_ids
+
+    model, _ = models
+    n_ctx = model.config.n_positions
+    prompt = [5, 6, 7]
+    got = list(continue_ids(model, prompt, 100, do_sample=False))
+    # By hand, without a cache: when the window is full it restarts from its last 32 tokens.
+    ids, start = list(prompt), 0
+    with torch.no_grad():
+        while len(ids) < len(prompt) + 100:
+            if len(ids) - start == n_ctx:
+                start = len(ids) - n_ctx // 2
+            ids.append(int(model(torch.tensor([ids[start:]])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt) :]
+
+    long_prompt = [i % 97 for i in range(80)]  # longer than the context: its last 63 tokens are used
+    expected = model.generate(torch.tensor([long_prompt[-(n_ctx - 1) :]]), max_new_tokens=1)[0, -1]
+    assert list(continue_ids(model, long_prompt, 1, do_sample=False)) == [int(expected)]

@@ -7,6 +7,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel, causal_mask, inspect, scaled_dot_product_attention
 from gpt2attn.layers import no_tap
+from gpt2attn.tokenizer import char_tokenizer
 from helpers import max_diff, randomize, tiny_config
 
 
@@ -179,33 +180,15 @@ TEXT = "hello there, general kenobi"
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny random model saved with a character-level tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = sorted(set(TEXT))
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
     folder = tmp_path_factory.mktemp("attn_model")
-    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=len(chars), n_positions=64)), seed=5)
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=len(set(TEXT)), n_positions=64)), seed=5)
     model.save_pretrained(folder)
-    tokenizer.save(str(folder / "tokenizer.json"))
+    char_tokenizer(TEXT).save(str(folder / "tokenizer.json"))
     return folder
 
 
 @pytest.fixture
-def cli(monkeypatch):
-    """gpt2attn.cli.main; until gpt2attn/tokenizer.py lands, tokenizer.json is read directly."""
-    try:
-        import gpt2attn.tokenizer  # noqa: F401
-    except ImportError:
-        import sys
-        import types
-
-        from tokenizers import Tokenizer
-
-        stub = types.ModuleType("gpt2attn.tokenizer")
-        stub.load_tokenizer = lambda folder: Tokenizer.from_file(str(folder) + "/tokenizer.json")
-        monkeypatch.setitem(sys.modules, "gpt2attn.tokenizer", stub)
+def cli():
     from gpt2attn.cli import main
 
     return main

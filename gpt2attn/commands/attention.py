@@ -9,14 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..generation import DEFAULT_MODEL_DIR
+
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("text", help="the input text")
-    parser.add_argument("--model", default=str(DEFAULT_MODEL),
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
                         help="model folder with tokenizer files (default: the shipped default model)")
     parser.add_argument("--layer", type=int, default=-1, help="block index; negative counts from the end (default -1)")
     parser.add_argument("--head", type=int, help="draw only this head (default: all heads as a grid)")
