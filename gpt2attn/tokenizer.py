@@ -1,6 +1,6 @@
 """Tokenizers for gpt2attn, built on the `tokenizers` library.
 
-`load_tokenizer(folder)` reads GPT-2's byte-level BPE from `tokenizer.json`, HF's
+`load_tokenizer(src)` reads GPT-2's byte-level BPE from `tokenizer.json`, HF's
 `vocab.json` + `merges.txt`, or OpenAI's `encoder.json` + `vocab.bpe`.
 `char_tokenizer(text)` makes a character-level vocabulary (ids 0..V-1, sorted characters),
 as nanoGPT's shakespeare_char does.
@@ -15,9 +15,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 EOS_TOKEN = "<|endoftext|>"
 
 
-def load_tokenizer(src: str | Path) -> Tokenizer:
-    """The tokenizer stored in folder src (or a tokenizer.json file)."""
-    path = Path(src)
+def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer stored in folder src (or a tokenizer.json file, or a hub model's folder)."""
+    from .checkpoint import resolve
+
+    path = resolve(src, cache_dir)
     if path.is_file():
         return Tokenizer.from_file(str(path))
     if not path.is_dir():

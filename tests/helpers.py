@@ -59,3 +59,13 @@ def hf_twin(model: GPT2LMHeadModel | GPT2Model, attn_implementation: str = "eage
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def fake_hub_cache(cache, repo_id, model):
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    model.save_pretrained(repo / "snapshots" / commit)
+    return repo / "snapshots" / commit

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
 from gpt2attn import checkpoint as ckpt
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -230,16 +230,6 @@ def test_missing_source_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     with pytest.raises(FileNotFoundError, match="no weights found"):
         GPT2LMHeadModel.from_pretrained(tmp_path)
-
-
-def fake_hub_cache(cache, repo_id, model):
-    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    model.save_pretrained(repo / "snapshots" / commit)
-    return repo / "snapshots" / commit
 
 
 @torch.no_grad()

@@ -125,7 +125,7 @@ def test_cli_streams_the_same_text_as_generate(tmp_path, capsys, models):
     expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=12)
     assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
     assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
-    assert "no model at" in capsys.readouterr().err
+    assert "no such file or folder" in capsys.readouterr().err
 
 
 def test_cli_window_slides_past_the_context(models):
@@ -148,3 +148,23 @@ def test_cli_window_slides_past_the_context(models):
     long_prompt = [i % 97 for i in range(80)]  # longer than the context: its last 63 tokens are used
     expected = model.generate(torch.tensor([long_prompt[-(n_ctx - 1) :]]), max_new_tokens=1)[0, -1]
     assert list(continue_ids(model, long_prompt, 1, do_sample=False)) == [int(expected)]
+
+
+def test_cli_takes_a_hub_name_from_the_cache(tmp_path, monkeypatch, capsys, models):
+    """`gpt2attn generate --model NAME` finds model and tokenizer in huggingface_hub's cache."""
+    import huggingface_hub
+
+    from gpt2attn.cli import main
+    from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
+    from helpers import fake_hub_cache
+
+    model, _ = models
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))
+    snapshot = fake_hub_cache(tmp_path, "someone/tiny-gpt2", model)
+    tokenizer.save(str(snapshot / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert load_tokenizer("someone/tiny-gpt2", cache_dir=tmp_path).encode("hi").ids == tokenizer.encode("hi").ids
+    assert main(["generate", "--model", "someone/tiny-gpt2", "--greedy", "--max-new-tokens", "5", "hello"]) == 0
+    expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=5)
+    assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"

@@ -16,7 +16,7 @@ HELP = "draw the attention weights of one layer (all heads, or one) over a text,
 def add_arguments(parser) -> None:
     parser.add_argument("text", help="the input text")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
-                        help="model folder with tokenizer files (default: the shipped default model)")
+                        help="model folder or hub name, with tokenizer files (default: the shipped default model)")
     parser.add_argument("--layer", type=int, default=-1, help="block index; negative counts from the end (default -1)")
     parser.add_argument("--head", type=int, help="draw only this head (default: all heads as a grid)")
     parser.add_argument("--format", choices=["png", "json"], default="png")
@@ -48,14 +48,12 @@ def attention_weights(src, text: str, layer: int, head: int | None):
     """Returns (ids, token texts, weights (n_heads_drawn, T, T) float32, layer, head indices)."""
     import torch
 
-    src = Path(src)
-    if not src.is_dir():
-        raise FileNotFoundError(f"model folder {src} does not exist (pass --model FOLDER)")
-
     from .. import inspect
+    from ..checkpoint import resolve
     from ..model import GPT2LMHeadModel
     from ..tokenizer import load_tokenizer
 
+    src = resolve(src)  # a folder, or a hub name's cached folder
     tokenizer = load_tokenizer(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 HELP = "continue a prompt with a model, streaming the text"
 
 
 def add_arguments(parser):
     parser.add_argument("prompt", help="text to continue")
-    parser.add_argument("--model", default=None, help="model folder (config.json, weights, tokenizer); default: the built-in model")
+    parser.add_argument("--model", default=None, help="model folder or hub name (config.json, weights, tokenizer); default: the built-in model")
     parser.add_argument("--max-new-tokens", type=int, default=300,
                         help="tokens to add (default 300); past the model's context the window slides")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -26,14 +25,12 @@ def add_arguments(parser):
 def run(args) -> int:
     import torch
 
+    from ..checkpoint import resolve
     from ..generation import DEFAULT_MODEL_DIR
     from ..model import GPT2LMHeadModel
     from ..tokenizer import load_tokenizer
 
-    folder = Path(args.model) if args.model else DEFAULT_MODEL_DIR
-    if not folder.exists():
-        hint = "" if args.model else " (the built-in model is missing; pass --model FOLDER)"
-        raise FileNotFoundError(f"no model at {folder}{hint}")
+    folder = resolve(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     tokenizer = load_tokenizer(folder)
