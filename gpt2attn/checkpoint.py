@@ -15,7 +15,6 @@ import math
 import mmap
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
+from .files import write_atomic
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -500,23 +500,6 @@ def write_bin(path: Path, state: dict[str, Tensor], progress: Callable[[int], No
 def write_json(path: Path, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
-    """write(f) into a temporary file beside `path`, then rename it to `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def remove_stale_weights(folder: Path, keep: Iterable[str]) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from .files import write_text_atomic
 
 # HF's `attribute_map`: alias -> field.
 ALIASES = {
@@ -141,17 +142,3 @@ def _configs_dir() -> Path:
     """`configs/` ships inside the wheel as gpt2attn/configs; in a checkout it is ../configs."""
     packaged = Path(__file__).parent / "configs"
     return packaged if packaged.is_dir() else Path(__file__).parent.parent / "configs"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -53,6 +53,10 @@ def test_train_writes_metrics_checkpoints_model_and_plot(text_file, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert latest_checkpoint(tmp_path).name == "step_0000040"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000040"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in [*tmp_path.glob("*.*"), *(tmp_path / "data").iterdir(), *(tmp_path / "model").iterdir()]:
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file.name  # not mkstemp's 0600
 
     # The final model folder is HF's layout: transformers and we give the same logits.
     ours = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()

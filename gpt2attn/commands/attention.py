@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
-from pathlib import Path
 
+from ..files import write_atomic, write_text_atomic
 from ..generation import DEFAULT_MODEL_DIR
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
@@ -32,9 +30,7 @@ def run(args) -> int:
                "weights": [[[round(w, 6) for w in row] for row in head] for head in weights.tolist()]}
         text = json.dumps(doc) + "\n"
         if args.out:
-            from ..config import write_text_atomic
-
-            write_text_atomic(Path(args.out), text)
+            write_text_atomic(args.out, text)
         else:
             sys.stdout.write(text)
     else:
@@ -107,14 +103,7 @@ def draw(tokens: list[str], weights, layer: int, heads: list[int], out: str) -> 
     for ax in axes.flat[len(heads):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=100, bbox_inches="tight")
-        os.replace(tmp, out)
+        write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=100, bbox_inches="tight"))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)

@@ -34,7 +34,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..checkpoint import resolve, write_atomic
+    from ..checkpoint import resolve
+    from ..files import write_atomic
     from ..model import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(args.src, dtype=args.dtype)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import write_text_atomic
+from ..files import write_bytes_atomic, write_text_atomic
 from ..tokenizer import char_tokenizer, load_tokenizer
 
 
@@ -57,24 +55,13 @@ def prepare_data(src: str | Path, folder: str | Path, tokenizer: str = "char", v
         raise ValueError(f"{src} gives only {len(ids)} tokens: too few for a train/val split")
 
     folder.mkdir(parents=True, exist_ok=True)
-    _write_bytes_atomic(folder / "train.bin", ids[: len(ids) - n_val].tobytes())
-    _write_bytes_atomic(folder / "val.bin", ids[len(ids) - n_val :].tobytes())
+    write_bytes_atomic(folder / "train.bin", ids[: len(ids) - n_val].tobytes())
+    write_bytes_atomic(folder / "val.bin", ids[len(ids) - n_val :].tobytes())
     write_text_atomic(folder / "tokenizer.json", tok.to_str())
     meta = {"digest": digest, "source": str(src), "tokenizer": tokenizer, "vocab_size": vocab_size,
             "train_tokens": len(ids) - n_val, "val_tokens": n_val}
     write_text_atomic(meta_path, json.dumps(meta, indent=2) + "\n")  # last: marks the folder complete
     return folder
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class TokenData:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import GPT2Config, write_text_atomic
+from ..config import GPT2Config
+from ..files import write_atomic, write_text_atomic
 from ..model import GPT2LMHeadModel
 from . import distributed
 from .config import TrainConfig
@@ -228,7 +229,6 @@ def save_model(model: GPT2LMHeadModel, folder: Path, tokenizer_json: Path) -> No
     """An HF model folder (config.json, model.safetensors) with its tokenizer.json."""
     model.save_pretrained(folder)
     write_text_atomic(folder / "tokenizer.json", tokenizer_json.read_text(encoding="utf-8"))
-    os.chmod(folder / "tokenizer.json", 0o644)  # as save_pretrained's files, not mkstemp's 0600
 
 
 def save_checkpoint(out_dir: Path, model: GPT2LMHeadModel, state: dict[str, Any]) -> Path:
@@ -305,7 +305,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        write_atomic(png_path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
