@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
-from .files import write_atomic
+from .files import write_atomic, write_text_atomic
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -498,8 +498,7 @@ def write_bin(path: Path, state: dict[str, Tensor], progress: Callable[[int], No
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def remove_stale_weights(folder: Path, keep: Iterable[str]) -> None:

@@ -11,6 +11,7 @@ from ..generation import DEFAULT_MODEL_DIR
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
 
+
 def add_arguments(parser) -> None:
     parser.add_argument("text", help="the input text")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
