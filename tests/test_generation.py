@@ -126,6 +126,8 @@ def test_cli_streams_the_same_text_as_generate(tmp_path, capsys, models):
     assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
     assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "0", "hi"]) == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_cli_window_slides_past_the_context(models):

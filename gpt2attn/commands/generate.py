@@ -33,6 +33,8 @@ def run(args) -> int:
     folder = resolve(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(folder)
     model = GPT2LMHeadModel.from_pretrained(folder).eval()
     prompt_ids = tokenizer.encode(args.prompt).ids
