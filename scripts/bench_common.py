@@ -24,18 +24,28 @@ def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2)
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int = 10, warmup: int = 2) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeats: int = 10, warmup: int = 2, per_turn: int = 1
+) -> dict[str, float]:
     """Median wall time of each fn, timed in turns (a, b, c, a, b, c, ...), so that a change in
-    machine load during the run affects every contender alike."""
+    machine load during the run affects every contender alike.
+
+    With per_turn > 1 a turn is one untimed call and then per_turn timed ones: what a loop that
+    calls one model over and over sees, with the caches and the allocator's free lists holding
+    that model's state rather than the previous contender's.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            if per_turn > 1:
+                fn()
+            for _ in range(per_turn):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -4,8 +4,9 @@
     python scripts/bench.py train --preset gpt2 --batch-size 8 --block-size 1024 --device cuda --dtype bfloat16
 
 A step is what `gpt2attn train` does: forward, fp32 cross-entropy, backward, clip at 1.0, fused
-AdamW, zero_grad(set_to_none). Both models get the same weights, batch and optimizer settings;
-the steps are timed in turns. On CUDA the model FLOP utilisation (MFU) is printed too.
+AdamW, zero_grad(set_to_none). Both models get the same weights, batch and optimizer settings.
+The models take turns, each turn one untimed step and then 5 timed ones in a row, as a training
+loop runs them. On CUDA the model FLOP utilisation (MFU) is printed too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from bench_common import interleaved_medians, machine_line, matmul_gflops
 from gpt2attn import GPT2Config, GPT2LMHeadModel
@@ -46,6 +48,33 @@ def make_step(model, batch, dtype, device):
     return step
 
 
+def make_matmuls(config: GPT2Config, n_tokens: int, dtype, device):
+    """The step's matrix products alone (each Conv1D's forward and two backward GEMMs, and the
+    tied head's three), on random data: the part of a step both libraries share, so the rest is
+    what either can make faster."""
+    C, inner, V = config.n_embd, config.inner_dim, config.vocab_size
+
+    def operands(n_in: int, n_out: int) -> tuple[Tensor, ...]:
+        x, w = torch.randn(n_tokens, n_in, device=device, dtype=dtype), torch.randn(n_in, n_out, device=device, dtype=dtype)
+        return x, w, torch.zeros(n_out, device=device, dtype=dtype), torch.randn(n_tokens, n_out, device=device, dtype=dtype)
+
+    convs = [operands(C, 3 * C), operands(C, C), operands(C, inner), operands(inner, C)]
+    head = operands(C, V)
+
+    def matmuls():
+        for _ in range(config.n_layer):
+            for x, w, b, grad in convs:
+                torch.addmm(b, x, w)  # forward
+                torch.mm(grad, w.t())  # input gradient
+                torch.mm(x.t(), grad)  # weight gradient
+        x, w, _, grad = head
+        torch.mm(x, w), torch.mm(grad, w.t()), torch.mm(x.t(), grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return matmuls
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.py train", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", help="gpt2, gpt2-medium, ... (default: the 4x128 char model, vocab 65)")
@@ -53,7 +82,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=12, help="turns per model, each 1 untimed + 5 timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100 bf16 dense: 989)")
     args = parser.parse_args(argv)
 
@@ -81,13 +110,17 @@ def main(argv: list[str]) -> int:
           f"batch {args.batch_size} x {args.block_size} tokens, {args.dtype}, transformers "
           f"{transformers.__version__} ({theirs.config._attn_implementation} attention)")
     steps = {"gpt2attn": make_step(ours, batch, dtype, device), "transformers": make_step(theirs, batch, dtype, device)}
-    times = interleaved_medians(steps, repeats=args.repeats, warmup=3)
     tokens = args.batch_size * args.block_size
+    steps["matmuls alone"] = make_matmuls(config, tokens, dtype, device)
+    times = interleaved_medians(steps, repeats=args.repeats, warmup=3, per_turn=5)
+    floor = times.pop("matmuls alone")
     flops = train_flops_per_token(config, args.block_size) * tokens
     for name, seconds in times.items():
         line = f"{name:>12}: {seconds * 1e3:8.2f} ms/step  {tokens / seconds:10.0f} tokens/s  {flops / seconds / 1e9:7.1f} GFLOP/s"
         if device.type == "cuda":
             line += f"  MFU {flops / seconds / (args.peak_tflops * 1e12):.1%}"
         print(line)
+    print(f"the step's matmuls alone: {floor * 1e3:.2f} ms; the rest takes gpt2attn "
+          f"{(times['gpt2attn'] - floor) * 1e3:.2f} ms, transformers {(times['transformers'] - floor) * 1e3:.2f} ms")
     print(f"speed-up (transformers time / ours): {times['transformers'] / times['gpt2attn']:.2f}x")
     return 0
