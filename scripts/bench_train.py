@@ -5,8 +5,8 @@
 
 A step is what `gpt2attn train` does: forward, fp32 cross-entropy, backward, clip at 1.0, fused
 AdamW, zero_grad(set_to_none). Both models get the same weights, batch and optimizer settings.
-The models take turns, each turn one untimed step and then 5 timed ones in a row, as a training
-loop runs them. On CUDA the model FLOP utilisation (MFU) is printed too.
+The models take turns, each turn one untimed step and then STEPS_PER_TURN (5) timed ones in a
+row, as a training loop runs them. On CUDA the model FLOP utilisation (MFU) is printed too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import Tensor
 from bench_common import interleaved_medians, machine_line, matmul_gflops
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 
+STEPS_PER_TURN = 5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,7 +69,9 @@ def make_matmuls(config: GPT2Config, n_tokens: int, dtype, device):
                 torch.mm(grad, w.t())  # input gradient
                 torch.mm(x.t(), grad)  # weight gradient
         x, w, _, grad = head
-        torch.mm(x, w), torch.mm(grad, w.t()), torch.mm(x.t(), grad)
+        torch.mm(x, w)
+        torch.mm(grad, w.t())
+        torch.mm(x.t(), grad)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--repeats", type=int, default=12, help="turns per model, each 1 untimed + 5 timed steps")
+    parser.add_argument("--repeats", type=int, default=12, help=f"turns per model, each 1 untimed + {STEPS_PER_TURN} timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100 bf16 dense: 989)")
     args = parser.parse_args(argv)
 
@@ -112,7 +115,7 @@ def main(argv: list[str]) -> int:
     steps = {"gpt2attn": make_step(ours, batch, dtype, device), "transformers": make_step(theirs, batch, dtype, device)}
     tokens = args.batch_size * args.block_size
     steps["matmuls alone"] = make_matmuls(config, tokens, dtype, device)
-    times = interleaved_medians(steps, repeats=args.repeats, warmup=3, per_turn=5)
+    times = interleaved_medians(steps, repeats=args.repeats, warmup=3, per_turn=STEPS_PER_TURN)
     floor = times.pop("matmuls alone")
     flops = train_flops_per_token(config, args.block_size) * tokens
     for name, seconds in times.items():
