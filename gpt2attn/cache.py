@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 
@@ -110,3 +111,19 @@ class KVCache:
 
     def to_legacy(self) -> tuple[tuple[Tensor, Tensor], ...]:
         return tuple(self)
+
+
+# A pytree node, so torch.compile / torch.export see the tensors inside a cache.
+def _flatten_cache(cache: KVCache) -> tuple[list[Tensor | None], int]:
+    return [*cache.keys, *cache.values], cache.length
+
+
+def _unflatten_cache(tensors: list[Tensor | None], length: int) -> KVCache:
+    n_layer = len(tensors) // 2
+    cache = KVCache(n_layer)
+    cache.keys, cache.values = list(tensors[:n_layer]), list(tensors[n_layer:])
+    cache.length = length
+    return cache
+
+
+pytree.register_pytree_node(KVCache, _flatten_cache, _unflatten_cache, serialized_type_name="gpt2attn.cache.KVCache")

@@ -7,7 +7,6 @@ State-dict keys and shapes equal `transformers`' GPT-2, so HF checkpoints load w
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,23 +18,7 @@ from .attention import causal_mask
 from .cache import KVCache
 from .config import GPT2Config
 from .layers import Block, init_weights
-
-
-@dataclass
-class BaseModelOutput:
-    last_hidden_state: Tensor
-    past_key_values: KVCache | None = None
-    hidden_states: tuple[Tensor, ...] | None = None  # embeddings, then each block (last after ln_f)
-    attentions: tuple[Tensor, ...] | None = None  # per layer (B, nh, T_q, T_k)
-
-
-@dataclass
-class CausalLMOutput:
-    loss: Tensor | None
-    logits: Tensor
-    past_key_values: KVCache | None = None
-    hidden_states: tuple[Tensor, ...] | None = None
-    attentions: tuple[Tensor, ...] | None = None
+from .outputs import BaseModelOutput, CausalLMOutput
 
 
 class LMHead(nn.Linear):
@@ -203,6 +186,7 @@ class GPT2Model(GPT2PreTrainedModel):
             past_key_values=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_weights) if all_weights is not None else None,
+            cross_attentions=() if output_attentions else None,  # as transformers, without cross-attention
         )
 
 
@@ -257,7 +241,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         loss = None
         if labels is not None:
             loss = lm_loss(logits, labels, self.config.vocab_size)
-        return CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions)
+        return CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions, out.cross_attentions)
 
     def generate(self, input_ids: Tensor, **kwargs: Any) -> Any:
         """Greedy or sampled continuation of input_ids; see gpt2attn.generation.generate."""
