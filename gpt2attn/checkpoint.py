@@ -110,8 +110,8 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
     device = torch.device(device) if device is not None else None
     state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if tied:
-        model.tie_weights()
+    if tied:  # by the config, or because the checkpoint has no head of its own
+        model.lm_head.weight = model.transformer.wte.weight
     return model.eval()
 
 

@@ -1,18 +1,25 @@
 """GPT2Config: Hugging Face's GPT-2 configuration as a plain dataclass.
 
-Field names and defaults are those of `transformers.GPT2Config`, so an HF `config.json`
-round-trips through `from_dict` / `to_dict` unchanged (keys we do not use are kept).
+Field names, defaults and aliases are those of `transformers.GPT2Config`, so an HF `config.json`
+round-trips through `from_dict` / `to_dict` unchanged. As in transformers, the constructor takes
+any keyword: keys no GPT-2 config has are kept as attributes (with a warning, except the keys
+every transformers config may carry, such as `torch_dtype` or `transformers_version`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .files import write_text_atomic
+
+CONFIG_NAME = "config.json"
 
 # HF's `attribute_map`: alias -> field.
 ALIASES = {
@@ -23,6 +30,24 @@ ALIASES = {
 }
 
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+SUMMARY_TYPES = ("last", "first", "mean", "cls_index", "attn")
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+# Keys any transformers config may hold (PretrainedConfig's, from 4.x and 5.x, generation settings
+# that older configs stored, GPT-2's old n_ctx): kept as attributes without a warning.
+COMMON_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "name_or_path", "_commit_hash", "_attn_implementation",
+    "attn_implementation", "torch_dtype", "dtype", "use_bfloat16", "torchscript", "tf_legacy_loss",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "pruned_heads", "finetuning_task", "tokenizer_class", "prefix",
+    "sep_token_id", "decoder_start_token_id", "task_specific_params", "gradient_checkpointing", "n_ctx",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+})
 
 
 def _alias(name: str) -> property:
@@ -30,8 +55,15 @@ def _alias(name: str) -> property:
     return property(lambda self: getattr(self, name), lambda self, value: setattr(self, name, value))
 
 
-@dataclass
+def _default_labels() -> dict[int, str]:
+    return {0: "LABEL_0", 1: "LABEL_1"}
+
+
+@dataclass(init=False)
 class GPT2Config:
+    model_type: ClassVar[str] = "gpt2"
+
+    # the architecture
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -47,37 +79,121 @@ class GPT2Config:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     reorder_and_upcast_attn: bool = False
+    add_cross_attention: bool = False
     tie_word_embeddings: bool = True
-    use_cache: bool = True
+    # tokens
     bos_token_id: int | None = 50256
     eos_token_id: int | list[int] | None = 50256
     pad_token_id: int | None = None
-    # Keys of an HF config that no field above holds (summary_*, architectures, torch_dtype, ...),
-    # kept so that to_dict() gives back what from_dict() was given.
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # task heads: num_labels is len(id2label), as in transformers
+    id2label: dict[int, str] = field(default_factory=_default_labels)
+    label2id: dict[str, int] = field(default_factory=lambda: {v: k for k, v in _default_labels().items()})
+    problem_type: str | None = None  # one of PROBLEM_TYPES, or None to choose from the labels
+    classifier_dropout: float | None = None  # None: resid_pdrop
+    summary_type: str = "cls_index"  # GPT2DoubleHeadsModel's multiple-choice head
+    summary_use_proj: bool = True
+    summary_activation: str | None = None
+    summary_proj_to_labels: bool = True
+    summary_first_dropout: float = 0.1
+    # forward's defaults
+    use_cache: bool = True
+    output_attentions: bool = False
+    output_hidden_states: bool = False
+    return_dict: bool = True
+    architectures: list[str] | None = None  # model classes, as save_pretrained writes them
 
-    def __post_init__(self) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
+        model_type = kwargs.pop("model_type", "gpt2")
+        if model_type != "gpt2":
+            raise ValueError(f"config has model_type {model_type!r}; gpt2attn builds only 'gpt2' models")
+        num_labels = kwargs.pop("num_labels", None)
+        unknown = []
+        for key, value in kwargs.items():
+            key = ALIASES.get(key, key)
+            if key not in _FIELDS and key not in COMMON_KEYS:
+                unknown.append(key)
+            self._set(key, value)
+        if unknown:
+            warnings.warn(f"GPT2Config got keys no GPT-2 config has, kept as attributes: {', '.join(unknown)}", stacklevel=2)
+        if "id2label" in kwargs:
+            self.id2label = _int_keys(self.id2label)
+            if "label2id" not in kwargs and isinstance(self.id2label, dict):
+                self.label2id = {label: i for i, label in self.id2label.items()}
+            if num_labels is not None and num_labels != len(self.id2label):
+                raise ValueError(f"GPT2Config: num_labels={num_labels!r} disagrees with id2label, which has {len(self.id2label)} labels")
+        elif num_labels is not None:
+            self.num_labels = num_labels
         self.validate()
 
+    def _set(self, key: str, value: Any) -> None:
+        """Set a field, an alias or an extra key; refuse names of methods and computed properties."""
+        attr = getattr(type(self), key, None)
+        if key not in _FIELDS and (callable(attr) or (isinstance(attr, property) and attr.fset is None)):
+            raise ValueError(f"GPT2Config: {key!r} cannot be set: it is computed or a method")
+        setattr(self, key, value)
+
     def validate(self) -> None:
-        """Raise ValueError for a configuration no GPT-2 can be built from."""
+        """Raise ValueError naming the field for a value no GPT-2 config may hold."""
+
+        def require(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"GPT2Config.{name} must be {what}, got {getattr(self, name)!r}")
+
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
+            require(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "a positive integer")
+        require(self.n_inner is None or (_is_int(self.n_inner) and self.n_inner > 0), "n_inner", "a positive integer or None")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
                 f"each head gets n_embd / n_head dimensions"
             )
-        if self.n_inner is not None and self.n_inner <= 0:
-            raise ValueError(f"GPT2Config.n_inner must be positive or None, got {self.n_inner!r}")
+        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout"):
+            value = getattr(self, name)
+            ok = (value is None and name == "classifier_dropout") or (_is_real(value) and 0 <= value <= 1)
+            require(ok, name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
+        for name in ("layer_norm_epsilon", "initializer_range"):
+            value = getattr(self, name)
+            require(_is_real(value) and math.isfinite(value) and value > 0, name, "a positive number")
+        for name in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                     "add_cross_attention", "tie_word_embeddings", "summary_use_proj", "summary_proj_to_labels",
+                     "use_cache", "output_attentions", "output_hidden_states", "return_dict"):
+            require(isinstance(getattr(self, name), bool), name, "true or false")
+        require(isinstance(self.activation_function, str), "activation_function", "a string")
+        for name in ("bos_token_id", "pad_token_id"):
+            require(getattr(self, name) is None or _is_token(getattr(self, name)), name, "a token id (an integer >= 0) or None")
+        eos = self.eos_token_id
+        ok = eos is None or _is_token(eos) or (isinstance(eos, list) and len(eos) > 0 and all(map(_is_token, eos)))
+        require(ok, "eos_token_id", "a token id (an integer >= 0), a non-empty list of them, or None")
+        require(self.summary_type in SUMMARY_TYPES, "summary_type", f"one of {', '.join(SUMMARY_TYPES)}")
+        require(self.summary_activation is None or isinstance(self.summary_activation, str), "summary_activation", "a string or None")
+        require(self.problem_type is None or self.problem_type in PROBLEM_TYPES, "problem_type", f"None or one of {', '.join(PROBLEM_TYPES)}")
+        labels = self.id2label
+        ok = isinstance(labels, dict) and len(labels) > 0 and all(_is_int(k) and isinstance(v, str) for k, v in labels.items())
+        require(ok, "id2label", "a non-empty dict of {integer id: label name}")
+        ok = isinstance(self.label2id, dict) and all(isinstance(k, str) and _is_int(v) for k, v in self.label2id.items())
+        require(ok, "label2id", "a dict of {label name: integer id}")
+        arch = self.architectures
+        require(arch is None or (isinstance(arch, list) and all(isinstance(a, str) for a in arch)), "architectures", "a list of class names or None")
 
     # HF aliases, readable and writable.
     hidden_size = _alias("n_embd")
     max_position_embeddings = _alias("n_positions")
     num_attention_heads = _alias("n_head")
     num_hidden_layers = _alias("n_layer")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"GPT2Config.num_labels must be a positive integer, got {n!r}")
+        if n != len(self.id2label):
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {label: i for i, label in self.id2label.items()}
 
     @property
     def head_dim(self) -> int:
@@ -87,40 +203,35 @@ class GPT2Config:
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The keys that are not GPT-2 fields (torch_dtype, transformers_version, ...)."""
+        return {k: v for k, v in vars(self).items() if k not in _FIELDS}
+
     # --- dict / JSON -------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
-        """Build from an HF `config.to_dict()` / `config.json` dict. Unknown keys go to `extra`."""
-        model_type = d.get("model_type", "gpt2")
-        if model_type != "gpt2":
-            raise ValueError(f"config has model_type {model_type!r}; gpt2attn builds only 'gpt2' models")
-        names = {f.name for f in fields(cls)} - {"extra"}
-        kwargs: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        for key, value in d.items():
-            key = ALIASES.get(key, key)
-            if key in names:
-                kwargs[key] = value
-            elif key not in ("model_type", "extra"):
-                extra[key] = value
-        extra.update(d.get("extra", {}))
-        return cls(**kwargs, extra=extra)
+    def from_dict(cls, d: dict[str, Any], **kwargs: Any) -> "GPT2Config":
+        """Build from an HF `config.to_dict()` / `config.json` dict; kwargs override its keys."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object (a dict of fields), got {type(d).__name__}")
+        return cls(**{**d, **kwargs})
 
     def to_dict(self) -> dict[str, Any]:
         """An HF-style dict: `transformers.GPT2Config.from_dict` accepts it."""
-        d = asdict(self)
-        extra = d.pop("extra")
-        return {**extra, **d, "model_type": "gpt2"}
+        return {**copy.deepcopy(vars(self)), "model_type": self.model_type}
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "GPT2Config":
         with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -130,12 +241,58 @@ class GPT2Config:
         write_text_atomic(Path(path), self.to_json_string())
 
     @classmethod
+    def from_pretrained(cls, src: str | os.PathLike, cache_dir: Any = None, local_files_only: bool = False,
+                        **kwargs: Any) -> "GPT2Config":
+        """The config.json of a model folder, a config file or a hub name; kwargs override its keys."""
+        from .checkpoint import resolve  # hub names go through huggingface_hub's cache, as for models
+
+        path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
+        if path.is_dir():
+            path = path / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file (a model folder holds {CONFIG_NAME})")
+        config = cls.from_json_file(path)
+        return cls.from_dict(config.to_dict(), **kwargs) if kwargs else config
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write save_directory/config.json (atomically), as transformers' config.save_pretrained."""
+        folder = Path(save_directory)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{folder} is a file; save_pretrained writes a folder")
+        self.to_json_file(folder / CONFIG_NAME)
+
+    @classmethod
     def from_preset(cls, name: str) -> "GPT2Config":
         """One of OpenAI's sizes: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'."""
         name = name.removeprefix("openai-community/")
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls.from_json_file(_configs_dir() / f"{name}.json")
+
+
+_FIELDS = frozenset(f.name for f in fields(GPT2Config))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _int_keys(labels: Any) -> Any:
+    """id2label with JSON's string keys made integers, as transformers converts them."""
+    if not isinstance(labels, dict):
+        return labels  # validate() names the problem
+    try:
+        return {int(k): v for k, v in labels.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"GPT2Config.id2label keys must be integer ids, got {list(labels)!r}") from None
 
 
 def _configs_dir() -> Path:

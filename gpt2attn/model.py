@@ -45,10 +45,18 @@ class LMHead(nn.Linear):
 
 
 class GPT2PreTrainedModel(nn.Module):
-    """What both models share: the config, checkpoint files, gradient checkpointing."""
+    """What every GPT-2 model shares: the config, checkpoint files, embeddings access and resizing,
+    gradient checkpointing; the class attributes transformers' GPT2PreTrainedModel has."""
+
+    config_class = GPT2Config
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
 
     def __init__(self, config: GPT2Config):
         super().__init__()
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a gpt2attn GPT2Config, got {type(config).__name__}")
         config.validate()
         self.config = config
 
@@ -65,11 +73,75 @@ class GPT2PreTrainedModel(nn.Module):
 
         save_pretrained(self, save_directory, **kwargs)
 
-    def gradient_checkpointing_enable(self) -> None:
+    @classmethod
+    def can_generate(cls) -> bool:
+        return False
+
+    # --- embeddings -----------------------------------------------------------------------
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.base_model.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.base_model.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The vocabulary projection; None for a model without one."""
+        return None
+
+    def tie_weights(self) -> None:
+        """Make the output embeddings use the input embeddings' weight, when the config ties them."""
+        head = self.get_output_embeddings()
+        if head is not None and self.config.tie_word_embeddings:
+            head.weight = self.get_input_embeddings().weight
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """Give wte (and an untied head) new_num_tokens rows, rounded up to a multiple of
+        pad_to_multiple_of; config.vocab_size follows. Rows past the old vocabulary are
+        initialised as transformers 5 does: with mean_resizing, drawn near the old rows' mean
+        (a normal with their covariance scaled by 1e-9), else N(0, initializer_range)."""
+        wte = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return wte
+        n = wte.num_embeddings if new_num_tokens is None else new_num_tokens
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        if pad_to_multiple_of is not None:
+            if not _is_int(pad_to_multiple_of) or pad_to_multiple_of < 1:
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        head = self.get_output_embeddings()
+        w = wte.weight
+        if n != w.size(0):
+            _resize_rows(wte, nn.Embedding(n, w.size(1), device=w.device, dtype=w.dtype), mean_resizing, self.config)
+            if head is not None and head.weight is not wte.weight:
+                h = head.weight
+                new_head = nn.Linear(h.size(1), n, bias=False, device=h.device, dtype=h.dtype)
+                _resize_rows(head, new_head, mean_resizing, self.config)
+        wte.num_embeddings = n
+        if head is not None:
+            head.out_features = n
+        self.config.vocab_size = n
+        self.tie_weights()
+        return wte
+
+    # --- training -------------------------------------------------------------------------
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        """Recompute each block's activations in the backward pass. gradient_checkpointing_kwargs
+        go to torch.utils.checkpoint.checkpoint (default {"use_reentrant": False}, as transformers)."""
+        kwargs = {"use_reentrant": False} if gradient_checkpointing_kwargs is None else dict(gradient_checkpointing_kwargs)
         self.base_model.gradient_checkpointing = True
+        self.base_model.gradient_checkpointing_kwargs = kwargs
 
     def gradient_checkpointing_disable(self) -> None:
         self.base_model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.base_model.gradient_checkpointing
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                              device_type: str | None = None) -> torch.optim.AdamW:
@@ -85,7 +157,7 @@ class GPT2PreTrainedModel(nn.Module):
 
     @property
     def base_model(self) -> "GPT2Model":
-        return self
+        return getattr(self, self.base_model_prefix, self)
 
     @property
     def device(self) -> torch.device:
@@ -95,28 +167,34 @@ class GPT2PreTrainedModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def num_parameters(self) -> int:
-        """Distinct parameters (a tied head counts once)."""
-        return sum(p.numel() for p in self.parameters())
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied head counts once), as transformers counts them:
+        only_trainable skips frozen ones, exclude_embeddings skips wte and wpe."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return sum(
+            p.numel()
+            for p in self.parameters()
+            if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings)
+        )
 
 
 class GPT2Model(GPT2PreTrainedModel):
     def __init__(self, config: GPT2Config):
         super().__init__(config)
+        if config.add_cross_attention:  # until layers.py has cross-attention
+            raise ValueError("add_cross_attention=True is not implemented yet: this GPT-2 has no cross-attention")
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config, layer_idx=i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.gradient_checkpointing = False
+        self.gradient_checkpointing_kwargs = {"use_reentrant": False}
         init_weights(self, config)
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.wte
 
     def forward(
         self,
-        input_ids: Tensor | None = None,
+        input_ids: Tensor | list | None = None,
         past_key_values: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
@@ -124,17 +202,25 @@ class GPT2Model(GPT2PreTrainedModel):
         head_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-    ) -> BaseModelOutput:
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutput | tuple:
+        """Arguments left at None take the config's value (use_cache, output_attentions,
+        output_hidden_states, return_dict), as in transformers; return_dict=False gives the tuple."""
         cfg = self.config
         use_cache = cfg.use_cache if use_cache is None else use_cache
+        output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = cfg.return_dict if return_dict is None else return_dict
         if self.gradient_checkpointing and self.training and use_cache:
             warnings.warn("use_cache=True is incompatible with gradient checkpointing; setting use_cache=False")
             use_cache = False
 
-        B, T = _check_inputs(cfg, input_ids, inputs_embeds)
-        cache = _as_cache(past_key_values, cfg.n_layer)
+        device = self.wte.weight.device
+        input_ids, inputs_embeds = _check_inputs(cfg, input_ids, inputs_embeds, self.wte.weight.dtype, device)
+        B, T = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        cache = _as_cache(past_key_values, cfg, self.wte.weight.dtype)
         if cache is None and use_cache:
             cache = KVCache(cfg.n_layer)
         past_len = cache.length if cache is not None else 0
@@ -148,29 +234,31 @@ class GPT2Model(GPT2PreTrainedModel):
                     f"sequence too long: {past_len} cached + {T} new = {past_len + T} positions, "
                     f"but the model has n_positions={cfg.n_positions}"
                 )
-            device = input_ids.device if input_ids is not None else inputs_embeds.device
             position_ids = torch.arange(past_len, past_len + T, device=device).unsqueeze(0)  # (1, T)
         else:
-            _check_ids("position_ids", position_ids, B, T, cfg.n_positions)
+            position_ids = _check_ids("position_ids", position_ids, B, T, cfg.n_positions, device)
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
         x = inputs_embeds + self.wpe(position_ids)
         if token_type_ids is not None:
-            _check_ids("token_type_ids", token_type_ids, B, T, cfg.vocab_size)
-            x = x + self.wte(token_type_ids)
+            x = x + self.wte(_check_ids("token_type_ids", token_type_ids, B, T, cfg.vocab_size, device))
         x = self.drop(x)
 
         mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head)
         head_mask = _layer_head_masks(head_mask, cfg.n_layer, cfg.n_head, x.dtype)
 
+        checkpointing = self.gradient_checkpointing and self.training
+        if checkpointing and self.gradient_checkpointing_kwargs.get("use_reentrant") and not x.requires_grad:
+            x.requires_grad_(True)  # reentrant checkpointing only backpropagates into blocks whose input needs grad
         all_hidden = [] if output_hidden_states else None
         all_weights = [] if output_attentions else None
         for i, block in enumerate(self.h):
             if all_hidden is not None:
                 all_hidden.append(x)
             layer_head_mask = head_mask[i] if head_mask is not None else None
-            if self.gradient_checkpointing and self.training:
-                x, weights = checkpoint(block, x, None, mask, layer_head_mask, output_attentions, use_reentrant=False)
+            if checkpointing:
+                x, weights = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
+                                        **self.gradient_checkpointing_kwargs)
             else:
                 x, weights = block(x, cache, mask, layer_head_mask, output_attentions)
             if all_weights is not None:
@@ -181,13 +269,14 @@ class GPT2Model(GPT2PreTrainedModel):
         if all_hidden is not None:
             all_hidden.append(x)
 
-        return BaseModelOutput(
+        out = BaseModelOutput(
             last_hidden_state=x,
             past_key_values=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_weights) if all_weights is not None else None,
             cross_attentions=() if output_attentions else None,  # as transformers, without cross-attention
         )
+        return out if return_dict else out.to_tuple()
 
 
 class GPT2LMHeadModel(GPT2PreTrainedModel):
@@ -200,20 +289,19 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         else:
             init_weights(self.lm_head, config)
 
-    @property
-    def base_model(self) -> GPT2Model:
-        return self.transformer
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.transformer.wte
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
 
-    def tie_weights(self) -> None:
-        """Make lm_head use wte's weight (again, e.g. after loading with assign=True)."""
-        self.lm_head.weight = self.transformer.wte.weight
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
 
     def forward(
         self,
-        input_ids: Tensor | None = None,
+        input_ids: Tensor | list | None = None,
         past_key_values: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
@@ -222,9 +310,10 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         inputs_embeds: Tensor | None = None,
         labels: Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-    ) -> CausalLMOutput:
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> CausalLMOutput | tuple:
         out = self.transformer(
             input_ids,
             past_key_values=past_key_values,
@@ -236,12 +325,54 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         logits = self.lm_head(out.last_hidden_state)  # (B, T, vocab)
         loss = None
         if labels is not None:
             loss = lm_loss(logits, labels, self.config.vocab_size)
-        return CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions, out.cross_attentions)
+        out = CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions, out.cross_attentions)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return out if return_dict else out.to_tuple()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Tensor,
+        past_key_values: Any = None,
+        attention_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """forward's arguments for the next decoding step, as transformers' generate builds them:
+        with a cache only the ids it does not hold yet; position ids counted from the attention
+        mask (so left padding works); inputs_embeds only before anything is cached."""
+        past_len = _cached_length(past_key_values)
+        next_len = kwargs.pop("next_sequence_length", None)
+        for key in ("labels", "is_first_iteration"):  # generate's bookkeeping, not forward's arguments
+            kwargs.pop(key, None)
+        if next_len is not None:
+            input_ids = input_ids[:, -next_len:]
+        elif past_len:
+            input_ids = input_ids[:, past_len:]
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        T = input_ids.size(1)
+        inputs: dict[str, Any] = {"input_ids": input_ids}
+        if inputs_embeds is not None and past_len == 0:
+            inputs = {"inputs_embeds": inputs_embeds}
+            T = inputs_embeds.size(1)
+        return {
+            **inputs,
+            "past_key_values": past_key_values,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids[:, -T:] if position_ids is not None else None,
+            "token_type_ids": token_type_ids[:, -T:] if token_type_ids is not None else None,
+            "use_cache": use_cache,
+            **kwargs,
+        }
 
     def generate(self, input_ids: Tensor, **kwargs: Any) -> Any:
         """Greedy or sampled continuation of input_ids; see gpt2attn.generation.generate."""
@@ -252,49 +383,118 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
 
 def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
     """Next-token cross-entropy: position t predicts labels[t+1]; label -100 is ignored."""
+    labels = _as_int_tensor("labels", labels, logits.device)
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels have shape {tuple(labels.shape)}, expected {tuple(logits.shape[:2])}")
-    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
-    if bad.any():
-        raise ValueError(f"labels hold {labels[bad][0].item()}: labels must be -100 or in [0, {vocab_size})")
+    if not torch.compiler.is_compiling():
+        bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+        if bad.any():
+            raise ValueError(f"labels hold {labels[bad][0].item()}: labels must be -100 or in [0, {vocab_size})")
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[:, 1:].reshape(-1)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
 
 
+def _resize_rows(old: nn.Module, new: nn.Module, mean_resizing: bool, config: GPT2Config) -> None:
+    """Give `old` (an embedding or a head, rows = tokens) the weight of `new`, a freshly built
+    module of the new size: the old rows copied, the added ones initialised."""
+    n_old, n_new = old.weight.size(0), new.weight.size(0)
+    with torch.no_grad():
+        if n_new > n_old and mean_resizing:
+            new.weight[n_old:] = _rows_near_mean(old.weight, n_new - n_old)
+        elif n_new > n_old:
+            init_weights(new, config)
+        n = min(n_old, n_new)
+        new.weight[:n] = old.weight[:n]
+    old.weight.data = new.weight.data
+
+
+def _rows_near_mean(weight: Tensor, count: int) -> Tensor:
+    """count rows drawn from a normal with the rows' mean and 1e-9 times their covariance (the
+    mean alone when that covariance is not positive definite), as transformers 5 draws them."""
+    w = weight.detach().float()  # (V, C)
+    mean = w.mean(dim=0)
+    centered = w - mean
+    covariance = 1e-9 * (centered.T @ centered) / w.size(0)  # (C, C)
+    if torch.linalg.cholesky_ex(covariance).info == 0:
+        normal = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance)
+        rows = normal.sample((count,))
+    else:
+        rows = mean.expand(count, -1)
+    return rows.to(weight.dtype)
+
+
 # --- input checks and masks ------------------------------------------------------------
+# Checks that need a value (.item(), .all()) run in eager mode only and step aside while
+# torch.compile / torch.export trace the forward, so that it traces as one graph.
 
 
-def _check_inputs(cfg: GPT2Config, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
-    """Exactly one of input_ids (B, T) / inputs_embeds (B, T, C), valid; returns (B, T)."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_int_tensor(name: str, value: Any, device: torch.device) -> Tensor:
+    """An integer tensor as int64 (embeddings and losses index with it); a list of lists of ints
+    becomes one. Floating, bool and complex tensors are refused."""
+    if isinstance(value, (list, tuple)):
+        try:
+            value = torch.tensor(value, device=device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{name}: a list must be rectangular, [[id, ...], ...] of ints ({e})") from None
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a tensor or a list of lists of ints, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
+    return value.long()
+
+
+def _check_inputs(
+    cfg: GPT2Config, input_ids: Any, inputs_embeds: Tensor | None, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """Exactly one of input_ids (B, T) / inputs_embeds (B, T, C), checked; ids made int64."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds (got both or neither)")
     if input_ids is not None:
+        input_ids = _as_int_tensor("input_ids", input_ids, device)
         if input_ids.dim() != 2 or input_ids.size(1) == 0:
             raise ValueError(f"input_ids must be [batch, seq_len] with seq_len > 0, got shape {tuple(input_ids.shape)}")
-        _check_ids("input_ids", input_ids, *input_ids.shape, cfg.vocab_size)
-        return input_ids.shape
+        return _check_ids("input_ids", input_ids, *input_ids.shape, cfg.vocab_size, device), None
+    if not isinstance(inputs_embeds, Tensor):
+        raise TypeError(f"inputs_embeds must be a tensor, got {type(inputs_embeds).__name__}")
     if inputs_embeds.dim() != 3 or inputs_embeds.size(-1) != cfg.n_embd or inputs_embeds.size(1) == 0:
         raise ValueError(
             f"inputs_embeds must be [batch, seq_len, n_embd={cfg.n_embd}], got shape {tuple(inputs_embeds.shape)}"
         )
-    return inputs_embeds.shape[:2]
+    if inputs_embeds.dtype != dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+        raise ValueError(f"inputs_embeds have dtype {inputs_embeds.dtype}, the model's weights {dtype}: cast them")
+    return None, inputs_embeds
 
 
-def _check_ids(name: str, ids: Tensor, B: int, T: int, limit: int) -> None:
-    """ids must be integers in [0, limit) shaped (B, T) or (1, T)."""
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {ids.dtype}")
+def _check_ids(name: str, ids: Any, B: int, T: int, limit: int, device: torch.device) -> Tensor:
+    """ids: integers in [0, limit) shaped (B, T) or (1, T); returned as int64."""
+    ids = _as_int_tensor(name, ids, device)
     if ids.dim() != 2 or ids.size(1) != T or ids.size(0) not in (1, B):
         raise ValueError(f"{name} has shape {tuple(ids.shape)}, expected ({B}, {T})")
-    lo, hi = ids.min().item(), ids.max().item()
-    if lo < 0 or hi >= limit:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds {bad}, outside [0, {limit})")
+    if not torch.compiler.is_compiling():
+        lo, hi = ids.min().item(), ids.max().item()
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds {bad}, outside [0, {limit})")
+    return ids
 
 
-def _as_cache(past: Any, n_layer: int) -> KVCache | None:
-    """None, our KVCache, HF's legacy tuple of (key, value) pairs, or an HF DynamicCache."""
+def _cached_length(past: Any) -> int:
+    """Tokens held by past_key_values of any accepted kind (0 for None or an empty cache)."""
+    if past is None:
+        return 0
+    if isinstance(past, KVCache) or hasattr(past, "get_seq_length"):
+        return past.get_seq_length()
+    return past[0][0].size(2) if len(past) > 0 else 0
+
+
+def _as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
+    """None, our KVCache, HF's legacy tuple of (key, value) pairs, or an HF DynamicCache; its
+    layers, heads, head size and dtype must be the model's."""
     if past is None or isinstance(past, KVCache):
         cache = past
     elif isinstance(past, (tuple, list)):
@@ -306,19 +506,35 @@ def _as_cache(past: Any, n_layer: int) -> KVCache | None:
             f"past_key_values must be a KVCache, a tuple of (key, value) pairs or a transformers "
             f"DynamicCache, got {type(past).__name__}"
         )
-    if cache is not None and len(cache) != n_layer:
-        raise ValueError(f"past_key_values have {len(cache)} layers, the model has {n_layer}")
+    if cache is None:
+        return None
+    if len(cache) != cfg.n_layer:
+        raise ValueError(f"past_key_values have {len(cache)} layers, the model has {cfg.n_layer}")
+    key = next((k for k in cache.keys if k is not None), None)  # (B, nh, T, hs)
+    if key is not None:
+        if key.size(1) != cfg.n_head or key.size(3) != cfg.head_dim:
+            raise ValueError(
+                f"past_key_values hold {key.size(1)} heads of size {key.size(3)}, "
+                f"the model has n_head={cfg.n_head} of size {cfg.head_dim}"
+            )
+        if key.dtype != dtype and not torch.is_autocast_enabled(key.device.type):
+            raise ValueError(f"past_key_values have dtype {key.dtype}, the model's weights {dtype}")
     return cache
 
 
 def _build_mask(attention_mask: Tensor | None, B: int, T: int, past_len: int, n_head: int) -> Tensor | None:
-    """The mask every layer uses: None for plain causal attention, else bool (B, 1, T, T_k).
+    """The mask every layer uses: None for plain causal attention, else bool (B, 1, T, T_k) or
+    a 4-D additive mask.
 
     A 2-D padding mask (1 = token, 0 = padding) over all T_k = past_len + T positions is
-    combined with the causal mask; a 4-D mask (bool or additive) is used as it is.
+    combined with the causal mask; a 4-D mask (bool or additive) is used as it is. Either way a
+    query that may see no key at all (padding at the left edge, a row of -inf) sees every key
+    instead, so its softmax stays finite on both attention paths; nothing real attends to it.
     """
     if attention_mask is None:
         return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
     T_k = past_len + T
     if attention_mask.dim() == 2:
         if tuple(attention_mask.shape) != (B, T_k):
@@ -327,11 +543,9 @@ def _build_mask(attention_mask: Tensor | None, B: int, T: int, past_len: int, n_
                 f"= (batch, cached {past_len} + new {T} positions)"
             )
         keep = attention_mask.bool()
-        if keep.all():
+        if not torch.compiler.is_compiling() and keep.all():
             return None
         allowed = causal_mask(T, T_k, attention_mask.device) & keep[:, None, None, :]  # (B, 1, T, T_k)
-        # A query that may see no key at all (padding at the left edge) sees every key instead,
-        # so its softmax stays finite; nothing real attends to that position.
         return allowed | ~allowed.any(dim=-1, keepdim=True)
     if attention_mask.dim() == 4:
         b, h, q, k = attention_mask.shape
@@ -340,7 +554,15 @@ def _build_mask(attention_mask: Tensor | None, B: int, T: int, past_len: int, n_
                 f"4-D attention_mask has shape {tuple(attention_mask.shape)}, expected "
                 f"({B} or 1, 1 or {n_head}, {T}, {T_k})"
             )
-        return attention_mask
+        if attention_mask.dtype == torch.bool:
+            return attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
+        if not attention_mask.dtype.is_floating_point:
+            raise ValueError(
+                f"4-D attention_mask must be bool (True = attend) or floating (added to the scores), "
+                f"got {attention_mask.dtype}"
+            )
+        nothing_seen = (attention_mask == float("-inf")).all(dim=-1, keepdim=True)
+        return attention_mask.masked_fill(nothing_seen, 0.0)
     raise ValueError(f"attention_mask must be 2-D [batch, seq] or 4-D, got shape {tuple(attention_mask.shape)}")
 
 

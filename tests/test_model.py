@@ -215,12 +215,13 @@ def test_layers_can_be_swapped_for_identity():
 def test_config_round_trips_hf_dicts_and_files(tmp_path):
     import transformers
 
-    hf = transformers.GPT2Config(n_embd=64, n_head=8, n_layer=3, activation_function="relu", summary_type="mean")
+    hf = transformers.GPT2Config(n_embd=64, n_head=8, n_layer=3, activation_function="relu", summary_type="mean",
+                                 finetuning_task="sst2")
     cfg = GPT2Config.from_dict(hf.to_dict())
-    assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.activation_function) == (64, 8, 3, "relu")
-    assert cfg.extra["summary_type"] == "mean"  # unknown to us, kept
+    assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.activation_function, cfg.summary_type) == (64, 8, 3, "relu", "mean")
+    assert cfg.extra["finetuning_task"] == "sst2"  # not a GPT-2 field, kept
     back = transformers.GPT2Config.from_dict(cfg.to_dict())
-    for key in ("n_embd", "n_head", "n_layer", "activation_function", "summary_type", "vocab_size"):
+    for key in ("n_embd", "n_head", "n_layer", "activation_function", "summary_type", "vocab_size", "finetuning_task"):
         assert getattr(back, key) == getattr(hf, key), key
     aliased = GPT2Config.from_dict({"hidden_size": 48, "num_attention_heads": 6, "num_hidden_layers": 2, "max_position_embeddings": 64})
     assert (aliased.n_embd, aliased.n_head, aliased.n_layer, aliased.n_positions) == (48, 6, 2, 64)
