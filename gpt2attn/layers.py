@@ -143,7 +143,8 @@ class Attention(nn.Module):
             if tapped is not weights:  # edited: mix the values with the new weights
                 y, weights = torch.matmul(tapped, v), tapped
         else:
-            is_causal = mask is None and T_q == T_k and T_q > 1
+            # a branch, not a bare comparison: under torch.compile with symbolic sizes SDPA still gets a bool
+            is_causal = True if mask is None and T_q == T_k and T_q > 1 else False
             if mask is None and 1 < T_q < T_k:
                 mask = causal_mask(T_q, T_k, q.device)
             y = F.scaled_dot_product_attention(

@@ -415,7 +415,7 @@ def _rows_near_mean(weight: Tensor, count: int) -> Tensor:
     w = weight.detach().float()  # (V, C)
     mean = w.mean(dim=0)
     centered = w - mean
-    covariance = 1e-9 * (centered.T @ centered) / w.size(0)  # (C, C)
+    covariance = 1e-9 * (centered.T @ centered / w.size(0))  # (C, C)
     if torch.linalg.cholesky_ex(covariance).info == 0:
         normal = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance)
         rows = normal.sample((count,))

@@ -1,4 +1,4 @@
-"""Behaviour of the model beyond parity: input errors, masks, head_mask, init, dropout, config."""
+"""Behaviour of the model beyond parity: masks, caches, head_mask, init, dropout, config files, tracing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model, KVCache
+from gpt2attn import GPT2Config, GPT2LMHeadModel, KVCache
 from gpt2attn.layers import ACTIVATIONS
 from helpers import max_diff, randomize, tiny_config
 
@@ -18,54 +18,7 @@ def model():
     return randomize(GPT2LMHeadModel(tiny_config()), seed=0).eval()
 
 
-# --- clear errors ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"input_ids": torch.tensor([[1, 2, 97]])}, "input_ids holds 97, outside [0, 97)"),
-        ({"input_ids": torch.tensor([[1, -1, 2]])}, "input_ids holds -1"),
-        ({"input_ids": torch.zeros(1, 33, dtype=torch.long)}, "n_positions=32"),
-        ({"input_ids": torch.zeros(1, 5, dtype=torch.long), "attention_mask": torch.ones(1, 4)}, "attention_mask has shape (1, 4), expected (1, 5)"),
-        ({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 1, 5, 4)}, "4-D attention_mask has shape"),
-        ({}, "exactly one of input_ids and inputs_embeds"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "inputs_embeds": torch.zeros(1, 3, 32)}, "exactly one"),
-        ({"input_ids": torch.zeros(5, dtype=torch.long)}, "input_ids must be [batch, seq_len]"),
-        ({"input_ids": torch.zeros(1, 3)}, "must be an integer tensor"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 32]])}, "position_ids holds 32"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "token_type_ids": torch.zeros(1, 4, dtype=torch.long)}, "token_type_ids has shape (1, 4)"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "head_mask": torch.ones(3)}, "head_mask has shape (3,)"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.zeros(1, 2, dtype=torch.long)}, "labels have shape (1, 2)"),
-        ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.tensor([[0, 97, 1]])}, "labels hold 97"),
-        ({"inputs_embeds": torch.zeros(1, 3, 31)}, "inputs_embeds must be [batch, seq_len, n_embd=32]"),
-    ],
-)
-def test_bad_input_is_a_value_error_naming_the_problem(model, kwargs, message):
-    with pytest.raises(ValueError) as info:
-        model(**kwargs)
-    assert message in str(info.value)
-
-
-def test_cache_overflowing_n_positions_is_refused(model):
-    past = model(torch.zeros(1, 30, dtype=torch.long)).past_key_values
-    with pytest.raises(ValueError, match="30 cached \\+ 3 new = 33 positions"):
-        model(torch.zeros(1, 3, dtype=torch.long), past_key_values=past)
-
-
-def test_past_of_another_batch_size_is_refused(model):
-    past = model(torch.zeros(2, 4, dtype=torch.long)).past_key_values
-    with pytest.raises(ValueError, match="batch size 2, input has batch size 3"):
-        model(torch.zeros(3, 1, dtype=torch.long), past_key_values=past)
-
-
-def test_config_errors_name_the_values():
-    with pytest.raises(ValueError, match=r"n_embd \(30\) must be divisible by n_head \(4\)"):
-        GPT2Config(n_embd=30, n_head=4)
-    with pytest.raises(ValueError, match="unknown activation_function 'gelu_nope'"):
-        GPT2Model(tiny_config(activation_function="gelu_nope"))
-    with pytest.raises(ValueError, match="model_type 'bert'"):
-        GPT2Config.from_dict({"model_type": "bert"})
+# Bad inputs and configs: tests/test_bad_inputs_model.py.
 
 
 # --- masks and numerics ----------------------------------------------------------------
@@ -259,3 +212,31 @@ def test_lm_head_inference_path_equals_linear():
     assert got.shape == (3, 5, 10000) and got.is_contiguous()
     assert max_diff(got, expected) <= 1e-5
     assert max_diff(head(x), expected) == 0.0  # with autograd: plain nn.Linear
+
+
+# --- tracing: input checks step aside, the forward is one graph --------------------------------
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_has_no_graph_break(model):
+    """torch.compile(fullgraph=True) fails on any graph break; the ids-range checks (.item())
+    step aside while compiling. Prefill, a cached step, masks, labels and tuples all compile."""
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        prefill, expected = compiled(x), model(x)
+        assert max_diff(prefill.logits, expected.logits) <= 1e-5
+        step = compiled(x[:, :1], past_key_values=prefill.past_key_values)
+        assert max_diff(step.logits, model(x[:, :1], past_key_values=expected.past_key_values).logits) <= 1e-5
+        padded = compiled(x, attention_mask=mask, labels=x, output_attentions=True, return_dict=False)
+        reference = model(x, attention_mask=mask, labels=x, output_attentions=True, return_dict=False)
+    assert type(padded) is tuple and all(max_diff(a, b) <= 1e-5 for a, b in zip(padded[:2], reference[:2]))
+
+
+def test_torch_export_of_the_forward(model):
+    x = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    exported = torch.export.export(model, (x,), {"use_cache": False})
+    y = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))  # other values, same shape
+    assert max_diff(exported.module()(y, use_cache=False).logits, model(y).logits) <= 1e-5
