@@ -4,7 +4,7 @@ from .attention import causal_mask, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config
 from .layers import MLP, Attention, Block, Conv1D
-from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model
+from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "Attention",
     "MLP",
     "Block",
+    "GPT2PreTrainedModel",
     "GPT2Model",
     "GPT2LMHeadModel",
     "BaseModelOutput",

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model
+from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
 from helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
 
 # --- config --------------------------------------------------------------------------------
@@ -259,6 +259,7 @@ def test_class_attributes_as_transformers():
         assert ours.can_generate() == theirs.can_generate()
         assert ours.config_class is GPT2Config
     model = GPT2LMHeadModel(tiny_config())
+    assert isinstance(model, GPT2PreTrainedModel) and isinstance(model.transformer, GPT2PreTrainedModel)
     assert model.base_model is model.transformer and model.transformer.base_model is model.transformer
 
 
