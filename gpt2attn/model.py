@@ -183,6 +183,8 @@ class GPT2Model(GPT2PreTrainedModel):
         super().__init__(config)
         if config.add_cross_attention:  # until layers.py has cross-attention
             raise ValueError("add_cross_attention=True is not implemented yet: this GPT-2 has no cross-attention")
+        if getattr(config, "pruned_heads", None):  # a transformers 4 key; its checkpoints have smaller shapes
+            raise ValueError(f"pruned_heads={config.pruned_heads!r}: models with pruned attention heads are not supported")
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.drop = nn.Dropout(config.embd_pdrop)
