@@ -142,8 +142,8 @@ class GPT2Config:
                 raise ValueError(f"GPT2Config.{name} must be {what}, got {getattr(self, name)!r}")
 
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            require(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "a positive integer")
-        require(self.n_inner is None or (_is_int(self.n_inner) and self.n_inner > 0), "n_inner", "a positive integer or None")
+            require(is_int(getattr(self, name)) and getattr(self, name) > 0, name, "a positive integer")
+        require(self.n_inner is None or (is_int(self.n_inner) and self.n_inner > 0), "n_inner", "a positive integer or None")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
@@ -170,9 +170,9 @@ class GPT2Config:
         require(self.summary_activation is None or isinstance(self.summary_activation, str), "summary_activation", "a string or None")
         require(self.problem_type is None or self.problem_type in PROBLEM_TYPES, "problem_type", f"None or one of {', '.join(PROBLEM_TYPES)}")
         labels = self.id2label
-        ok = isinstance(labels, dict) and len(labels) > 0 and all(_is_int(k) and isinstance(v, str) for k, v in labels.items())
+        ok = isinstance(labels, dict) and len(labels) > 0 and all(is_int(k) and isinstance(v, str) for k, v in labels.items())
         require(ok, "id2label", "a non-empty dict of {integer id: label name}")
-        ok = isinstance(self.label2id, dict) and all(isinstance(k, str) and _is_int(v) for k, v in self.label2id.items())
+        ok = isinstance(self.label2id, dict) and all(isinstance(k, str) and is_int(v) for k, v in self.label2id.items())
         require(ok, "label2id", "a dict of {label name: integer id}")
         arch = self.architectures
         require(arch is None or (isinstance(arch, list) and all(isinstance(a, str) for a in arch)), "architectures", "a list of class names or None")
@@ -189,7 +189,7 @@ class GPT2Config:
 
     @num_labels.setter
     def num_labels(self, n: int) -> None:
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"GPT2Config.num_labels must be a positive integer, got {n!r}")
         if n != len(self.id2label):
             self.id2label = {i: f"LABEL_{i}" for i in range(n)}
@@ -273,7 +273,7 @@ class GPT2Config:
 _FIELDS = frozenset(f.name for f in fields(GPT2Config))
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -282,7 +282,7 @@ def _is_real(value: Any) -> bool:
 
 
 def _is_token(value: Any) -> bool:
-    return _is_int(value) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _int_keys(labels: Any) -> Any:

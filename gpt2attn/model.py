@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
 from .cache import KVCache
-from .config import GPT2Config
+from .config import GPT2Config, is_int
 from .layers import Block, init_weights
 from .outputs import BaseModelOutput, CausalLMOutput
 
@@ -106,10 +106,10 @@ class GPT2PreTrainedModel(nn.Module):
         if new_num_tokens is None and pad_to_multiple_of is None:
             return wte
         n = wte.num_embeddings if new_num_tokens is None else new_num_tokens
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
         if pad_to_multiple_of is not None:
-            if not _is_int(pad_to_multiple_of) or pad_to_multiple_of < 1:
+            if not is_int(pad_to_multiple_of) or pad_to_multiple_of < 1:
                 raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
             n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
         head = self.get_output_embeddings()
@@ -429,10 +429,6 @@ def _rows_near_mean(weight: Tensor, count: int) -> Tensor:
 # --- input checks and masks ------------------------------------------------------------
 # Checks that need a value (.item(), .all()) run in eager mode only and step aside while
 # torch.compile / torch.export trace the forward, so that it traces as one graph.
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_int_tensor(name: str, value: Any, device: torch.device) -> Tensor:
