@@ -4,6 +4,9 @@ A cache filled by one forward pass is passed back as `past_key_values` to contin
 sequence. `generate()` preallocates the whole length up front, so decoding writes each new
 token's keys/values into place and never concatenates. A cache made by a forward pass with no
 room reserved grows by doubling. `cache[i]` is layer i's `(key, value)` as HF's legacy tuples.
+
+With cross-attention the cache also holds each layer's keys and values over the encoder's
+states (`cross_keys`, `cross_values`): computed by the first pass, reused by the later ones.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ class KVCache:
         self.keys: list[Tensor | None] = [None] * n_layer
         self.values: list[Tensor | None] = [None] * n_layer
         self.length = 0  # tokens cached; every layer holds this many
+        self.cross_keys: list[Tensor | None] = [None] * n_layer  # (B, nh, T_enc, hs), cross-attention
+        self.cross_values: list[Tensor | None] = [None] * n_layer
 
     @classmethod
     def preallocate(
@@ -80,6 +85,10 @@ class KVCache:
         buf_v[:, :, start:end] = value
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
+    def set_cross(self, layer: int, key: Tensor, value: Tensor) -> None:
+        """Keep a layer's cross-attention keys/values (B, nh, T_enc, hs) for the steps to come."""
+        self.cross_keys[layer], self.cross_values[layer] = key, value
+
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape
         bigger = buf.new_empty(B, nh, max(needed, 2 * capacity), hs)
@@ -114,14 +123,19 @@ class KVCache:
 
 
 # A pytree node, so torch.compile / torch.export see the tensors inside a cache.
-def _flatten_cache(cache: KVCache) -> tuple[list[Tensor | None], int]:
-    return [*cache.keys, *cache.values], cache.length
+def _flatten_cache(cache: KVCache) -> tuple[list[Tensor | None], tuple[int, bool]]:
+    cross = any(k is not None for k in cache.cross_keys)  # cross-attention's keys/values, when held
+    tensors = [*cache.keys, *cache.values] + ([*cache.cross_keys, *cache.cross_values] if cross else [])
+    return tensors, (cache.length, cross)
 
 
-def _unflatten_cache(tensors: list[Tensor | None], length: int) -> KVCache:
-    n_layer = len(tensors) // 2
+def _unflatten_cache(tensors: list[Tensor | None], context: tuple[int, bool]) -> KVCache:
+    length, cross = context
+    n_layer = len(tensors) // (4 if cross else 2)
     cache = KVCache(n_layer)
-    cache.keys, cache.values = list(tensors[:n_layer]), list(tensors[n_layer:])
+    cache.keys, cache.values = list(tensors[:n_layer]), list(tensors[n_layer : 2 * n_layer])
+    if cross:
+        cache.cross_keys, cache.cross_values = list(tensors[2 * n_layer : 3 * n_layer]), list(tensors[3 * n_layer :])
     cache.length = length
     return cache
 

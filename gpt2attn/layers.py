@@ -1,5 +1,8 @@
 """The HF-named building blocks of GPT-2: Conv1D, Attention, MLP, Block.
 
+With `config.add_cross_attention` each Block also attends to an encoder's states
+(`crossattention`, after `ln_cross_attn`), between its self-attention and its MLP.
+
 Parameter names and shapes equal `transformers`' GPT-2, so state dicts load as they are.
 """
 
@@ -85,16 +88,23 @@ def get_activation(name: str):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with one fused QKV projection (`c_attn`)."""
+    """Multi-head attention. Self-attention is causal, with one fused QKV projection (`c_attn`).
+    Cross-attention (is_cross_attention) takes queries from `q_attn` over x and keys and values
+    from `c_attn` over the encoder's states, unmasked but for the encoder's padding."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int = 0):
+    def __init__(self, config: GPT2Config, layer_idx: int = 0, is_cross_attention: bool = False):
         super().__init__()
         config.validate()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.head_dim = config.head_dim
         self.layer_idx = layer_idx
-        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
+        self.is_cross_attention = is_cross_attention
+        if is_cross_attention:
+            self.c_attn = Conv1D(2 * config.n_embd, config.n_embd)  # keys, values
+            self.q_attn = Conv1D(config.n_embd, config.n_embd)
+        else:
+            self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)  # queries, keys, values
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -120,23 +130,33 @@ class Attention(nn.Module):
         mask: Tensor | None = None,
         head_mask: Tensor | None = None,
         output_attentions: bool = False,
+        encoder_hidden_states: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, C). mask None means plain causal; else bool/additive (B|1, 1|nh, T, T_k).
+        Cross-attention: keys are the encoder's T_k positions (B, T_k, C), mask is over them.
 
         Returns the output (B, T, C) and, when asked for, the weights (B, nh, T, T_k).
         """
         tap = self.tap
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, nh, T, hs)
-        q, k, v = tap("q", q), tap("k", k), tap("v", v)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, T_k, hs), past + new
+        if self.is_cross_attention:
+            q = tap("q", self.split_heads(self.q_attn(x)))  # (B, nh, T, hs)
+            k, v = self.encoder_keys_values(encoder_hidden_states, cache)  # (B, nh, T_enc, hs)
+        else:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+            q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, nh, T, hs)
+            q, k, v = tap("q", q), tap("k", k), tap("v", v)
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v)  # (B, nh, T_k, hs), past + new
+        causal = not self.is_cross_attention
         T_q, T_k = q.size(2), k.size(2)
         dropout_p = self.attn_dropout.p if self.training else 0.0
 
         weights = None
-        if output_attentions or head_mask is not None or self.upcast or self.eager:
-            if mask is None and T_q > 1:
+        # An additive mask may swamp whole rows (see padding_mask): only the textbook formula's
+        # gradient is exact there.
+        additive = mask is not None and mask.is_floating_point()
+        if output_attentions or head_mask is not None or self.upcast or self.eager or additive:
+            if causal and mask is None and T_q > 1:
                 mask = causal_mask(T_q, T_k, q.device)
             y, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p, head_mask, self.upcast)
             tapped = tap("weights", weights)
@@ -144,8 +164,8 @@ class Attention(nn.Module):
                 y, weights = torch.matmul(tapped, v), tapped
         else:
             # a branch, not a bare comparison: under torch.compile with symbolic sizes SDPA still gets a bool
-            is_causal = True if mask is None and T_q == T_k and T_q > 1 else False
-            if mask is None and 1 < T_q < T_k:
+            is_causal = True if causal and mask is None and T_q == T_k and T_q > 1 else False
+            if causal and mask is None and 1 < T_q < T_k:
                 mask = causal_mask(T_q, T_k, q.device)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
@@ -153,6 +173,17 @@ class Attention(nn.Module):
         y = tap("heads", y)  # (B, nh, T, hs), each head's output before c_proj
         y = self.resid_dropout(self.c_proj(self.merge_heads(y)))
         return tap("out", y), weights
+
+    def encoder_keys_values(self, encoder_hidden_states: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        """Cross-attention's keys and values (B, nh, T_enc, hs): computed from the encoder's states
+        once, then read from the cache on every later step."""
+        if cache is not None and cache.cross_keys[self.layer_idx] is not None:
+            return cache.cross_keys[self.layer_idx], cache.cross_values[self.layer_idx]
+        k, v = self.c_attn(encoder_hidden_states).split(self.n_embd, dim=2)
+        k, v = self.tap("k", self.split_heads(k)), self.tap("v", self.split_heads(v))
+        if cache is not None:
+            cache.set_cross(self.layer_idx, k, v)
+        return k, v
 
 
 class MLP(nn.Module):
@@ -179,6 +210,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = Attention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if config.add_cross_attention:
+            self.crossattention = Attention(config, layer_idx, is_cross_attention=True)
+            self.ln_cross_attn = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config.inner_dim, config)
         self.tap = no_tap
 
@@ -189,13 +223,67 @@ class Block(nn.Module):
         mask: Tensor | None = None,
         head_mask: Tensor | None = None,
         output_attentions: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
+        encoder_hidden_states: Tensor | None = None,
+        encoder_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Returns the block's output (B, T, C), the self-attention weights and the
+        cross-attention weights (each None unless output_attentions)."""
         tap = self.tap
         x = tap("resid_pre", x)
         a, weights = self.attn(tap("ln_1", self.ln_1(x)), cache, mask, head_mask, output_attentions)
         x = tap("resid_mid", x + a)
+        cross_weights = None
+        if encoder_hidden_states is not None:
+            c, cross_weights = self.crossattention(
+                self.ln_cross_attn(x), cache, encoder_mask, head_mask, output_attentions, encoder_hidden_states
+            )
+            x = x + c
         x = tap("resid_post", x + self.mlp(tap("ln_2", self.ln_2(x))))
-        return x, weights
+        return x, weights, cross_weights
+
+
+def encoder_attention(
+    config: GPT2Config, encoder_hidden_states: Tensor | None, mask: Tensor | None, B: int, dtype: torch.dtype
+) -> Tensor | None:
+    """Check the encoder's states (B, T_enc, n_embd) and return the mask cross-attention uses.
+
+    A 2-D (B, T_enc) padding mask (1 = token, 0 = padding) becomes (B, 1, 1, T_enc) (see
+    padding_mask); a 4-D one is used as it is; None lets every query see every encoder position.
+    """
+    if encoder_hidden_states is None:
+        if mask is not None:
+            raise ValueError("encoder_attention_mask was given without encoder_hidden_states")
+        return None
+    if not config.add_cross_attention:
+        raise ValueError(
+            "encoder_hidden_states need cross-attention layers: build the model with add_cross_attention=True"
+        )
+    shape = tuple(encoder_hidden_states.shape)
+    if len(shape) != 3 or shape[0] != B or shape[2] != config.n_embd:
+        raise ValueError(
+            f"encoder_hidden_states have shape {shape}, expected ({B}, encoder positions, {config.n_embd})"
+        )
+    if mask is None or mask.dim() == 4:
+        return mask
+    if tuple(mask.shape) != shape[:2]:
+        raise ValueError(
+            f"encoder_attention_mask has shape {tuple(mask.shape)}, expected {shape[:2]} = "
+            f"(batch, encoder positions) or a 4-D mask"
+        )
+    return padding_mask(mask.bool()[:, None, None, :], dtype)  # (B, 1, 1, T_enc)
+
+
+def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """The mask attention uses for `allowed` (bool, True = may attend, (B, 1, T_q, T_k)).
+
+    As it is when every query may see some key. Otherwise additive, as transformers' eager
+    attention builds it: 0 where allowed, else dtype's lowest value, which swamps the scores so
+    that a query seeing no key (left padding, an encoder row of padding alone) spreads equal
+    weights over all keys. Attention then takes the textbook path, whose gradient is exact there.
+    """
+    if not torch.compiler.is_compiling() and allowed.any(dim=-1).all():
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def init_weights(module: nn.Module, config: GPT2Config) -> None:

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import causal_mask
 from .cache import KVCache
 from .config import GPT2Config, is_int
-from .layers import Block, init_weights
+from .layers import Block, encoder_attention, init_weights, padding_mask
 from .outputs import BaseModelOutput, CausalLMOutput
 
 
@@ -181,8 +181,6 @@ class GPT2PreTrainedModel(nn.Module):
 class GPT2Model(GPT2PreTrainedModel):
     def __init__(self, config: GPT2Config):
         super().__init__(config)
-        if config.add_cross_attention:  # until layers.py has cross-attention
-            raise ValueError("add_cross_attention=True is not implemented yet: this GPT-2 has no cross-attention")
         if getattr(config, "pruned_heads", None):  # a transformers 4 key; its checkpoints have smaller shapes
             raise ValueError(f"pruned_heads={config.pruned_heads!r}: models with pruned attention heads are not supported")
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -203,6 +201,8 @@ class GPT2Model(GPT2PreTrainedModel):
         position_ids: Tensor | None = None,
         head_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -246,25 +246,30 @@ class GPT2Model(GPT2PreTrainedModel):
             x = x + self.wte(_check_ids("token_type_ids", token_type_ids, B, T, cfg.vocab_size, device))
         x = self.drop(x)
 
-        mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head)
+        mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head, x.dtype)
         head_mask = _layer_head_masks(head_mask, cfg.n_layer, cfg.n_head, x.dtype)
+        encoder_mask = encoder_attention(cfg, encoder_hidden_states, encoder_attention_mask, B, x.dtype)
 
         checkpointing = self.gradient_checkpointing and self.training
         if checkpointing and self.gradient_checkpointing_kwargs.get("use_reentrant") and not x.requires_grad:
             x.requires_grad_(True)  # reentrant checkpointing only backpropagates into blocks whose input needs grad
         all_hidden = [] if output_hidden_states else None
         all_weights = [] if output_attentions else None
+        all_cross = [] if output_attentions else None
         for i, block in enumerate(self.h):
             if all_hidden is not None:
                 all_hidden.append(x)
             layer_head_mask = head_mask[i] if head_mask is not None else None
             if checkpointing:
-                x, weights = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
-                                        **self.gradient_checkpointing_kwargs)
+                x, weights, cross = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
+                                               encoder_hidden_states, encoder_mask, **self.gradient_checkpointing_kwargs)
             else:
-                x, weights = block(x, cache, mask, layer_head_mask, output_attentions)
+                x, weights, cross = block(x, cache, mask, layer_head_mask, output_attentions,
+                                          encoder_hidden_states, encoder_mask)
             if all_weights is not None:
                 all_weights.append(weights)
+                if cross is not None:
+                    all_cross.append(cross)
         if cache is not None:
             cache.advance(T)
         x = self.ln_f(x)
@@ -276,7 +281,7 @@ class GPT2Model(GPT2PreTrainedModel):
             past_key_values=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_weights) if all_weights is not None else None,
-            cross_attentions=() if output_attentions else None,  # as transformers, without cross-attention
+            cross_attentions=tuple(all_cross) if all_cross is not None else None,  # () without encoder states
         )
         return out if return_dict else out.to_tuple()
 
@@ -310,6 +315,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         position_ids: Tensor | None = None,
         head_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
@@ -324,6 +331,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             position_ids=position_ids,
             head_mask=head_mask,
             inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
@@ -520,14 +529,17 @@ def _as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
     return cache
 
 
-def _build_mask(attention_mask: Tensor | None, B: int, T: int, past_len: int, n_head: int) -> Tensor | None:
-    """The mask every layer uses: None for plain causal attention, else bool (B, 1, T, T_k) or
-    a 4-D additive mask.
+def _build_mask(
+    attention_mask: Tensor | None, B: int, T: int, past_len: int, n_head: int, dtype: torch.dtype
+) -> Tensor | None:
+    """The mask every layer uses: None for plain causal attention, else (B, 1, T, T_k).
 
     A 2-D padding mask (1 = token, 0 = padding) over all T_k = past_len + T positions is
-    combined with the causal mask; a 4-D mask (bool or additive) is used as it is. Either way a
-    query that may see no key at all (padding at the left edge, a row of -inf) sees every key
-    instead, so its softmax stays finite on both attention paths; nothing real attends to it.
+    combined with the causal mask; a query that may see no key at all (padding at the left edge)
+    then gets equal weights on every key, as in transformers' eager attention (see
+    layers.padding_mask). A 4-D mask (bool or additive) is used as it is, except that a query
+    it lets see nothing (a row of False or -inf) sees every key instead, so its softmax stays
+    finite on both attention paths; nothing real attends to it.
     """
     if attention_mask is None:
         return None
@@ -544,7 +556,7 @@ def _build_mask(attention_mask: Tensor | None, B: int, T: int, past_len: int, n_
         if not torch.compiler.is_compiling() and keep.all():
             return None
         allowed = causal_mask(T, T_k, attention_mask.device) & keep[:, None, None, :]  # (B, 1, T, T_k)
-        return allowed | ~allowed.any(dim=-1, keepdim=True)
+        return padding_mask(allowed, dtype)
     if attention_mask.dim() == 4:
         b, h, q, k = attention_mask.shape
         if b not in (1, B) or h not in (1, n_head) or q != T or k != T_k:

@@ -212,8 +212,7 @@ def test_config_changed_after_construction_is_checked_by_the_model():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"add_cross_attention": True}, "add_cross_attention=True is not implemented"),
-     ({"pruned_heads": {"0": [1]}}, "pruned_heads=.*not supported"),
+    [({"pruned_heads": {"0": [1]}}, "pruned_heads=.*not supported"),
      ({"activation_function": "gelu_nope"}, "unknown activation_function 'gelu_nope'")],
 )
 def test_architecture_the_model_cannot_build_is_refused(kwargs, message):
