@@ -4,6 +4,12 @@ from .attention import causal_mask, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config
 from .layers import MLP, Attention, Block, Conv1D
+from .heads import (
+    GPT2DoubleHeadsModel,
+    GPT2ForQuestionAnswering,
+    GPT2ForSequenceClassification,
+    GPT2ForTokenClassification,
+)
 from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
 
 __version__ = "0.1.0"
@@ -17,6 +23,10 @@ __all__ = [
     "GPT2PreTrainedModel",
     "GPT2Model",
     "GPT2LMHeadModel",
+    "GPT2ForSequenceClassification",
+    "GPT2ForTokenClassification",
+    "GPT2ForQuestionAnswering",
+    "GPT2DoubleHeadsModel",
     "BaseModelOutput",
     "CausalLMOutput",
     "KVCache",

@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +47,10 @@ DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 # Old HF checkpoints stored the causal mask as buffers; we build it on the fly.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".crossattention.bias", ".crossattention.masked_bias")
+# The GPT-2 body's keys (GPT2Model's, or under "transformer."); every other key is a head's:
+# lm_head, score, classifier, qa_outputs, multiple_choice_head.
+BODY_PREFIXES = ("wte.", "wpe.", "h.", "ln_f.")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # n_head for OpenAI's sizes, used when a bare state dict comes without a config.
 N_HEAD_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
@@ -64,11 +68,13 @@ def from_pretrained(
     cache_dir: str | os.PathLike | None = None,
     local_files_only: bool = False,
     torch_dtype: Any = None,
+    **config_kwargs: Any,
 ):
-    """Build `cls` (GPT2Model or GPT2LMHeadModel) with the weights of `src`, in eval mode.
+    """Build `cls` (GPT2Model, GPT2LMHeadModel or a head) with the weights of `src`, in eval mode.
 
     dtype: None (as stored), a torch dtype, a name ('bf16', 'float16', ...) or 'auto' (the
-    config's torch_dtype). device: where the weights go. Both apply while loading.
+    config's torch_dtype). device: where the weights go. Both apply while loading. Other keywords
+    override config fields, as in transformers (`num_labels=3`, `pad_token_id=50256`).
     """
     dtype = dtype if dtype is not None else torch_dtype
     where = "state dict"
@@ -92,6 +98,11 @@ def from_pretrained(
             state, config_file, where = read_weights(path)
             if config is None:
                 config = read_config(config_file) if config_file is not None else infer_config(state)
+    if config_kwargs:  # set on a copy after it is read, so num_labels=3 replaces id2label, as in transformers
+        config = GPT2Config.from_dict(config.to_dict())
+        for key, value in config_kwargs.items():
+            setattr(config, key, value)
+        config.validate()
     # A caller's state dict is copied, so the new model does not share storage with its source.
     copy = isinstance(src, dict)
     return build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
@@ -102,12 +113,17 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
     with torch.device("meta"), no_random_init():
         model = cls(config)
     expected = model.state_dict()  # meta tensors: names and shapes only
-    state = normalize_keys(state, is_lm="lm_head.weight" in expected)
+    state = normalize_keys(state, prefixed="transformer.wte.weight" in expected)
     tied = "lm_head.weight" in expected and (config.tie_word_embeddings or "lm_head.weight" not in state)
     if tied:
         state.pop("lm_head.weight", None)
-    check_state(state, expected, skip={"lm_head.weight"} if tied else set(), where=where)
+    skip = {"lm_head.weight"} if tied else set()
+    new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
+    check_state(state, expected, skip=skip | set(new_head), where=where)
     device = torch.device(device) if device is not None else None
+    if new_head:
+        stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+        init_new_head(model, new_head, config, device, dtype or stored)
     state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tied:  # by the config, or because the checkpoint has no head of its own
@@ -136,24 +152,55 @@ def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None, copy
     return t.detach().to(device=device if device is not None else t.device, dtype=target, copy=copy)
 
 
-def normalize_keys(state: dict[str, Tensor], is_lm: bool) -> dict[str, Tensor]:
-    """Strip DDP / torch.compile prefixes, drop old mask buffers, and fit the `transformer.`
-    prefix to the target class (an LM head is dropped when loading into GPT2Model)."""
+def normalize_keys(state: dict[str, Tensor], prefixed: bool) -> dict[str, Tensor]:
+    """Strip DDP / torch.compile prefixes, drop old mask buffers, and fit the body's
+    `transformer.` prefix to the target class (head keys are left as they are)."""
     out = {}
     for name, tensor in state.items():
         while name.startswith(WRAPPER_PREFIXES):
             name = name.split(".", 1)[1]
         if name.endswith(IGNORED_SUFFIXES):
             continue
-        if name.startswith("lm_head."):
-            if not is_lm:
-                continue
-        elif is_lm and not name.startswith("transformer."):
-            name = "transformer." + name
-        elif not is_lm:
-            name = name.removeprefix("transformer.")
+        if name.startswith(("transformer.", *BODY_PREFIXES)):
+            body = name.removeprefix("transformer.")
+            name = "transformer." + body if prefixed else body
         out[name] = tensor
     return out
+
+
+def fit_head_keys(
+    state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], cls: str, where: str
+) -> list[str]:
+    """A checkpoint of one head class loaded into another, as transformers does it: head weights
+    the model has no place for are dropped, and head weights it lacks are to be newly initialised,
+    each with a warning naming the keys. Removes the former from `state`; returns the latter."""
+    def is_head(key: str) -> bool:
+        return not key.startswith(("transformer.", *BODY_PREFIXES))
+
+    dropped = [k for k in state if is_head(k) and k not in expected]
+    new = [k for k in expected if is_head(k) and k not in state and k not in skip]
+    for key in dropped:
+        del state[key]
+    if dropped:
+        unused = ", ".join(dropped)
+        warnings.warn(f"{where}: {cls} does not use these weights of the checkpoint: {unused}", stacklevel=5)
+    if new:
+        warnings.warn(
+            f"{where}: {cls} has weights the checkpoint lacks, newly initialised (train them before use): "
+            f"{', '.join(new)}", stacklevel=5,
+        )
+    return new
+
+
+def init_new_head(model: nn.Module, names: list[str], config: GPT2Config, device, dtype) -> None:
+    """Materialise the head modules that own `names` (built on meta) with transformers' init."""
+    from .layers import init_weights
+
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        module = model.get_submodule(owner)
+        module.to_empty(device=device or "cpu")
+        init_weights(module, config)
+        module.to(dtype)
 
 
 def check_state(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], where: str) -> None:
@@ -215,7 +262,7 @@ def from_nanogpt(checkpoint: dict[str, Any]) -> tuple[GPT2Config, dict[str, Tens
         attn_pdrop=dropout,
     )
     state = {}
-    for name, t in normalize_keys(checkpoint["model"], is_lm=True).items():
+    for name, t in normalize_keys(checkpoint["model"], prefixed=True).items():
         state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
     if not args.get("bias", True):
         C = config.n_embd
@@ -229,7 +276,7 @@ def from_nanogpt(checkpoint: dict[str, Any]) -> tuple[GPT2Config, dict[str, Tens
 
 def infer_config(state: dict[str, Tensor]) -> GPT2Config:
     """A config from a bare state dict's shapes (n_head from OpenAI's sizes)."""
-    state = normalize_keys(state, is_lm=False)
+    state = normalize_keys(state, prefixed=False)
     if "wte.weight" not in state or "wpe.weight" not in state:
         raise ValueError("state dict has no wte.weight / wpe.weight: is it a GPT-2 state dict?")
     vocab_size, n_embd = state["wte.weight"].shape
