@@ -138,8 +138,9 @@ def test_resume_after_kill_gives_the_uninterrupted_curve(text_file, tmp_path):
     expected, got = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in expected]
     for a, b in zip(got, expected):
-        for key in ("train_loss", "lr", "val_loss", "eval_train_loss"):
-            assert a.get(key) == pytest.approx(b.get(key), rel=1e-6, abs=1e-9), (a["step"], key)
+        assert a.keys() == b.keys(), a["step"]  # eval steps have val_loss in both runs, others in neither
+        for key in a.keys() - {"step", "tokens_per_s"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
     a = load_file(cut / "model" / "model.safetensors")
     b = load_file(full / "model" / "model.safetensors")
     assert all(max_diff(a[k], b[k]) < 1e-6 for k in a)
