@@ -1,15 +1,21 @@
 """`gpt2attn` command line: one subcommand per module in gpt2attn/commands/.
 
-Each command module defines `HELP`, `add_arguments(parser)` and `run(args) -> int`.
+Each command module defines `HELP`, `add_arguments(parser)` and `run(args) -> int`. A bad
+input or an operating-system error (a folder where a file was meant, a missing or unwritable
+path) ends as one `gpt2attn CMD: error: ...` line and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+import warnings
 
 COMMANDS = ("generate", "train", "convert", "parity", "attention")
+SIGPIPE_STATUS = 128 + 13  # what a Unix tool killed by SIGPIPE returns (`yes | head`)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,10 +36,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     try:
-        return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"gpt2attn {args.command}: error: {e}", file=sys.stderr)
+        with warnings_as_lines(args.command):
+            return args.run(args) or 0
+    except BrokenPipeError:
+        # `gpt2attn generate ... | head`: the reader has gone. Point stdout at /dev/null so the
+        # interpreter's final flush does not fail again, and stop quietly.
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
+    except (ValueError, OSError) as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every process fails alike: say it once
+            print(f"gpt2attn {args.command}: error: {describe(e)}", file=sys.stderr)
         return 2
+
+
+def describe(error: BaseException) -> str:
+    """The message of an error; an OS error as 'PATH: what went wrong'."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        # os.replace(tmp, target) names both; the target is the one the user gave.
+        path = os.fsdecode(error.filename2 if error.filename2 is not None else error.filename)
+        if isinstance(error, IsADirectoryError):
+            return f"{path} is a folder, not a file"
+        if isinstance(error, FileExistsError) and os.path.isfile(path):
+            return f"{path} is a file, not a folder"
+        return f"{path}: {error.strerror}"
+    return str(error)
+
+
+@contextlib.contextmanager
+def warnings_as_lines(command: str):
+    """Warnings print as one `gpt2attn CMD: warning: ...` line instead of Python's file:line form."""
+    original = warnings.formatwarning
+    warnings.formatwarning = lambda message, *rest, **kwargs: f"gpt2attn {command}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ def run(args) -> int:
     config = load_config(args.config, args.overrides)
     result = train(config)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, only the main process reports
-        print(f"step {result['step']}: train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f}, "
+        print(f"step {result['step']}: train loss {_loss(result['train_loss'])}, val loss {_loss(result['val_loss'])}, "
               f"{result['seconds']:.1f} s; model in {result['model_dir']}")
     return 0
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenizers import Tokenizer
+
 from ..files import write_bytes_atomic, write_text_atomic
 from ..tokenizer import char_tokenizer, load_tokenizer
 
@@ -27,25 +29,43 @@ def read_text(src: str | Path) -> str:
         files = sorted(path.rglob("*.txt"))
         if not files:
             raise FileNotFoundError(f"no .txt files in the data folder {path}")
-        return "".join(f.read_text(encoding="utf-8") for f in files)
+        return "".join(_read_utf8(f) for f in files)
     if not path.is_file():
         raise FileNotFoundError(f"no data file or folder at {path} (set --data=PATH)")
-    return path.read_text(encoding="utf-8")
+    return _read_utf8(path)
 
 
-def prepare_data(src: str | Path, folder: str | Path, tokenizer: str = "char", val_fraction: float = 0.1) -> Path:
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}") from None
+
+
+def prepare_data(src: str | Path, folder: str | Path, tokenizer: str = "char", val_fraction: float = 0.1,
+                 keep_vocabulary: str | Path | None = None) -> Path:
     """Tokenize src into folder (train.bin, val.bin, tokenizer.json, meta.json); returns folder.
 
     tokenizer is "char" (a vocabulary of src's characters) or a folder / tokenizer.json file.
+    keep_vocabulary, a tokenizer.json (a resumed run's), refuses before anything is written
+    when src tokenizes to another vocabulary.
     """
     folder = Path(folder)
     text = read_text(src)
     digest = hashlib.sha256(f"{tokenizer}\0{val_fraction}\0".encode() + text.encode()).hexdigest()
     meta_path = folder / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text())["digest"] == digest:
+    prepared = meta_path.is_file() and json.loads(meta_path.read_text())["digest"] == digest
+    if prepared and keep_vocabulary is None:
         return folder
 
-    tok = char_tokenizer(text) if tokenizer == "char" else load_tokenizer(tokenizer)
+    if prepared:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    else:
+        tok = char_tokenizer(text) if tokenizer == "char" else load_tokenizer(tokenizer)
+    if keep_vocabulary is not None:
+        _check_same_vocabulary(tok, Path(keep_vocabulary), src)
+    if prepared:
+        return folder
     vocab_size = tok.get_vocab_size()
     if vocab_size > 65536:
         raise ValueError(f"the tokenizer has {vocab_size} tokens; uint16 token files hold at most 65536")
@@ -62,6 +82,19 @@ def prepare_data(src: str | Path, folder: str | Path, tokenizer: str = "char", v
             "train_tokens": len(ids) - n_val, "val_tokens": n_val}
     write_text_atomic(meta_path, json.dumps(meta, indent=2) + "\n")  # last: marks the folder complete
     return folder
+
+
+def _check_same_vocabulary(tok: Tokenizer, kept: Path, src: str | Path) -> None:
+    old, new = Tokenizer.from_file(str(kept)).get_vocab(), tok.get_vocab()
+    if old == new:
+        return
+    changed = sorted(set(old.items()) ^ set(new.items()), key=lambda item: item[1])
+    shown = ", ".join(repr(token) for token, _ in changed[:8]) + (", ..." if len(changed) > 8 else "")
+    raise ValueError(
+        f"--resume: {src} tokenizes to another vocabulary ({len(new)} tokens) than the checkpoint was trained "
+        f"on ({len(old)} tokens, {kept}); tokens that differ: {shown}. Resume with the run's own data and "
+        f"tokenizer, or start a new out_dir"
+    )
 
 
 class TokenData:

@@ -94,6 +94,18 @@ def mean_over_processes(value: torch.Tensor, info: Dist) -> torch.Tensor:
     return value
 
 
+def raise_together(error: Exception | None, info: Dist) -> None:
+    """After a step only the main process ran: if it failed, every process raises (the main
+    process its own error, the others a short one), instead of the others waiting forever."""
+    if info.enabled:
+        message = [None if error is None else str(error)]
+        dist.broadcast_object_list(message, src=0)  # also a barrier
+        if error is None and message[0] is not None:
+            raise ValueError(f"the main process failed: {message[0]}")
+    if error is not None:
+        raise error
+
+
 def barrier(info: Dist) -> None:
     if info.enabled:
         dist.barrier()

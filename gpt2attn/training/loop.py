@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> dict[str, Any]:
-    if cfg.gradient_accumulation_steps % info.world_size:
-        raise ValueError(
-            f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a multiple of the "
-            f"number of processes ({info.world_size})"
-        )
-    local_accum = cfg.gradient_accumulation_steps // info.world_size
+    # gradient_accumulation_steps counts the micro-batches of all processes together; under
+    # torchrun it is rounded up to a multiple of the number of processes.
+    local_accum = math.ceil(cfg.gradient_accumulation_steps / info.world_size)
+    accum = local_accum * info.world_size
+    if info.is_main:
+        if accum != cfg.gradient_accumulation_steps:
+            warnings.warn(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) is not a multiple of the "
+                          f"{info.world_size} processes: each update takes {accum} micro-batches, {local_accum} per process")
+        if cfg.max_iters < cfg.warmup_iters:
+            warnings.warn(f"max_iters ({cfg.max_iters}) < warmup_iters ({cfg.warmup_iters}): the run ends during the "
+                          f"warmup, before the learning rate reaches {cfg.learning_rate:g}")
+    plot = cfg.plot and info.is_main and _can_plot()
     out_dir = Path(cfg.out_dir)
     started = time.perf_counter()
 
@@ -68,9 +75,15 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
     if not cfg.data:
         raise ValueError("no training text: set data = PATH in the config or pass --data=PATH")
     tokenizer = cfg.tokenizer or cfg.init_from
+    error = None
     if info.is_main:
-        prepare_data(cfg.data, out_dir / "data", tokenizer, cfg.val_fraction)
-    distributed.barrier(info)
+        try:
+            # A resumed run keeps the vocabulary its checkpoint was trained with (its tokenizer.json).
+            vocabulary = checkpoint / "tokenizer.json" if checkpoint is not None else None
+            prepare_data(cfg.data, out_dir / "data", tokenizer, cfg.val_fraction, keep_vocabulary=vocabulary)
+        except (ValueError, OSError) as e:
+            error = e
+    distributed.raise_together(error, info)
     data = TokenData(out_dir / "data", cfg.block_size)
 
     # Model: from scratch, from a pretrained source, or from the checkpoint.
@@ -124,14 +137,14 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
 
     metrics = MetricsLog(out_dir / "metrics.jsonl", keep_until=step, enabled=info.is_main)
     progress = _progress_bar(cfg, step, info.is_main)
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+    tokens_per_step = cfg.batch_size * cfg.block_size * accum
     last_log_time, last_log_step = time.perf_counter(), step
     loss_sum = torch.zeros((), device=device)
     row: dict[str, Any] = {}
     model.train()
     while step < cfg.max_iters:
         # One update over the global batch; this process takes its share of the micro-batches.
-        offsets = data.offsets("train", cfg.gradient_accumulation_steps * cfg.batch_size, batch_rng)
+        offsets = data.offsets("train", accum * cfg.batch_size, batch_rng)
         mine = offsets.view(info.world_size, local_accum, cfg.batch_size)[info.rank]  # (L, B)
         lr = scheduler.get_last_lr()[0]
         for micro, micro_offsets in enumerate(mine):
@@ -174,16 +187,29 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
                 distributed.barrier(info)
             last_log_time, last_log_step = time.perf_counter(), step
     progress.close()
+    if not row and info.is_main:  # --resume of a run that had already finished: its last figures
+        row = {k: v for r in read_metrics(metrics.path) for k, v in r.items()}
 
     model_dir = out_dir / "model"
     if info.is_main:
         shutil.copytree(latest_checkpoint(out_dir), model_dir, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("training_state.pt"))
-        if cfg.plot:
+        if plot:
             plot_losses(metrics.path, out_dir / "loss.png")
     distributed.barrier(info)
     return {"step": step, "train_loss": row.get("train_loss"), "val_loss": row.get("val_loss"),
             "seconds": time.perf_counter() - started, "model_dir": str(model_dir)}
+
+
+def _can_plot() -> bool:
+    """loss.png needs matplotlib (the plot extra): check at the start, not after the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        warnings.warn("matplotlib is not installed, so loss.png will not be drawn "
+                      "(pip install 'gpt2attn[plot]', or --plot=false to silence this)")
+        return False
+    return True
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: Path | None) -> GPT2LMHeadModel:
