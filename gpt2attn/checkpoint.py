@@ -421,7 +421,7 @@ def download(repo_id: str, cache_dir=None, local_files_only: bool = False) -> Pa
         raise FileNotFoundError(
             f"{repo_id!r} is not a local path and is not in the Hugging Face cache, and downloads are off "
             f"(HF_HUB_OFFLINE=1 or local_files_only). Download it once with network access "
-            f"(`huggingface-cli download {names[-1]}`), or pass a local folder."
+            f"(`hf download {names[-1]}`), or pass a local folder."
         )
     try:
         patterns = ["*.json", "*.txt", "*.safetensors"]  # config, tokenizer, weights

@@ -251,7 +251,7 @@ def test_offline_and_not_cached_fails_fast(tmp_path, monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", no_network)  # so it cannot hang on a connection
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE") as err:
         GPT2LMHeadModel.from_pretrained("openai-community/gpt2-medium", cache_dir=tmp_path)
-    assert "huggingface-cli download" in str(err.value)
+    assert "hf download openai-community/gpt2-medium" in str(err.value)
 
 
 def mapped_ranges(path) -> list[tuple[int, int]]:

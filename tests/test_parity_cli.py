@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main
@@ -17,7 +18,6 @@ from gpt2attn.layers import MLP
 from helpers import randomize, shared_data, tiny_config
 
 TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
-transformers = pytest.importorskip("transformers")
 
 
 def safetensors_dtypes(path: Path) -> set[str]:
@@ -91,7 +91,31 @@ def test_parity_fails_when_our_model_drifts(tmp_path, capsys, monkeypatch):
 def test_parity_tf_checkpoint_in_bf16(capsys):
     assert main(["parity", str(TF_TINY), "--dtype", "bf16", "--batch", "1"]) == 0
     out = capsys.readouterr().out
-    assert "gpt2attn's loaded weights" in out and "torch.bfloat16" in out
+    assert "gpt2attn's loaded weights" in out
+    assert "dtype: gpt2attn torch.bfloat16, transformers torch.bfloat16" in out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_parity_catches_a_5_percent_attention_scale(tmp_path, capsys, monkeypatch, dtype):
+    """In bf16/fp16 the allowed error is tied to transformers' own rounding error (vs float32 on
+    the same weights): a faithful model passes, one whose attention scale is 5% off fails."""
+    folder = hf_folder(tmp_path)
+    assert main(["parity", str(folder), "--dtype", dtype]) == 0
+    assert "1.5x transformers' own error" in capsys.readouterr().out
+
+    load = GPT2LMHeadModel.from_pretrained.__func__
+
+    def with_scale_off(cls, *args, **kwargs):
+        model = load(cls, *args, **kwargs)
+        for block in model.transformer.h:
+            block.attn.scale *= 1.05
+        return model
+
+    monkeypatch.setattr(GPT2LMHeadModel, "from_pretrained", classmethod(with_scale_off))
+    assert main(["parity", str(folder), "--dtype", dtype]) == 1
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("layer 0")).endswith("NO")
+    assert out.rstrip().splitlines()[-1].startswith("FAIL")
 
 
 def test_parity_text_without_tokenizer_is_a_clear_error(tmp_path, capsys):
@@ -101,7 +125,6 @@ def test_parity_text_without_tokenizer_is_a_clear_error(tmp_path, capsys):
 
 
 def test_parity_text_with_tokenizer(tmp_path, capsys):
-    pytest.importorskip("gpt2attn.tokenizer", reason="gpt2attn/tokenizer.py (the generation task) is not there yet")
     tokenizer = shared_data("gpt2-tokenizer")
     model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=50257, n_embd=16, n_head=2)), seed=4)
     model.save_pretrained(tmp_path / "model")
