@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 import warnings
+from pathlib import Path
 
 COMMANDS = ("generate", "train", "convert", "parity", "attention")
 SIGPIPE_STATUS = 128 + 13  # what a Unix tool killed by SIGPIPE returns (`yes | head`)
@@ -57,8 +58,10 @@ def describe(error: BaseException) -> str:
         path = os.fsdecode(error.filename2 if error.filename2 is not None else error.filename)
         if isinstance(error, IsADirectoryError):
             return f"{path} is a folder, not a file"
-        if isinstance(error, FileExistsError) and os.path.isfile(path):
-            return f"{path} is a file, not a folder"
+        if isinstance(error, (FileExistsError, NotADirectoryError)):  # a file where a folder was needed
+            blocking = next((p for p in (Path(path), *Path(path).parents) if p.is_file()), None)
+            if blocking is not None:
+                return f"{blocking} is a file, not a folder"
         return f"{path}: {error.strerror}"
     return str(error)
 

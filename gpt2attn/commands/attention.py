@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 from ..files import write_atomic, write_text_atomic
 from ..generation import DEFAULT_MODEL_DIR
+from . import model_folder
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
 
@@ -25,6 +27,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.format == "png" and not args.out:
         raise ValueError("--out FILE is needed for a png (or use --format json)")
+    if args.out and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; give a file name")
     ids, tokens, weights, layer, heads = attention_weights(args.model, args.text, args.layer, args.head)
     if args.format == "json":
         doc = {"model": str(args.model), "layer": layer, "heads": heads, "ids": ids, "tokens": tokens,
@@ -46,11 +50,10 @@ def attention_weights(src, text: str, layer: int, head: int | None):
     import torch
 
     from .. import inspect
-    from ..checkpoint import resolve
     from ..model import GPT2LMHeadModel
     from ..tokenizer import load_tokenizer
 
-    src = resolve(src)  # a folder, or a hub name's cached folder
+    src = model_folder(src)  # a folder, or a hub name's cached folder
     tokenizer = load_tokenizer(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config

@@ -25,12 +25,12 @@ def add_arguments(parser):
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import resolve
+    from . import model_folder
     from ..generation import DEFAULT_MODEL_DIR
     from ..model import GPT2LMHeadModel
     from ..tokenizer import load_tokenizer
 
-    folder = resolve(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
+    folder = model_folder(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_new_tokens < 1:

@@ -64,8 +64,9 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
         if cfg.max_iters < cfg.warmup_iters:
             warnings.warn(f"max_iters ({cfg.max_iters}) < warmup_iters ({cfg.warmup_iters}): the run ends during the "
                           f"warmup, before the learning rate reaches {cfg.learning_rate:g}")
-    plot = cfg.plot and info.is_main and _can_plot()
     out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file, not a folder")
     started = time.perf_counter()
 
     # Data: tokenized once by the main process, memory-mapped by all.
@@ -85,6 +86,7 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
             error = e
     distributed.raise_together(error, info)
     data = TokenData(out_dir / "data", cfg.block_size)
+    plot = cfg.plot and info.is_main and _can_plot()
 
     # Model: from scratch, from a pretrained source, or from the checkpoint.
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
