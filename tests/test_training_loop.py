@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main as cli_main
@@ -28,11 +32,31 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
+    """540 lines drawn at random (not one block repeated): no stretch of the validation split
+    recurs in the training split."""
     path = tmp_path_factory.mktemp("text") / "text.txt"
-    lines = [f"{name}: the {thing} is {colour}.\n" for name in ("ROMEO", "JULIET", "NURSE")
-             for thing in ("moon", "night", "rose") for colour in ("red", "pale", "dark")]
-    path.write_text("".join(lines) * 20)
+    rng = random.Random(0)
+    lines = [f"{rng.choice(('ROMEO', 'JULIET', 'NURSE'))}: the {rng.choice(('moon', 'night', 'rose'))} is "
+             f"{rng.choice(('red', 'pale', 'dark'))}.\n" for _ in range(540)]
+    path.write_text("".join(lines))
     return path
+
+
+@pytest.fixture
+def optimizer_steps():
+    """What every optimizer step receives: the gradients, in parameter order, one list per step."""
+    steps = []
+
+    def record(optimizer, args, kwargs):
+        steps.append([p.grad.clone() for group in optimizer.param_groups for p in group["params"]])
+
+    handle = register_optimizer_step_pre_hook(record)
+    yield steps
+    handle.remove()
+
+
+def grad_norm(grads) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
 
 
 def _config(text_file, out_dir, *extra):
@@ -66,17 +90,57 @@ def test_train_writes_metrics_checkpoints_model_and_plot(text_file, tmp_path):
         assert max_diff(ours(ids).logits, hf(ids).logits) < 1e-5
 
 
-def test_grad_accumulation_equals_bigger_batch(text_file, tmp_path):
-    """Two micro-batches of 4 accumulated give the update of one batch of 8 (same blocks);
-    gradient checkpointing in the second run changes nothing either."""
-    train(_config(text_file, tmp_path / "a", "--max_iters=3", "--eval_interval=3", "--batch_size=4",
-                  "--gradient_accumulation_steps=2", "--plot=false"))
-    train(_config(text_file, tmp_path / "b", "--max_iters=3", "--eval_interval=3", "--batch_size=8",
-                  "--gradient_accumulation_steps=1", "--eval_iters=1", "--plot=false", "--gradient_checkpointing"))
+def test_grad_accumulation_equals_bigger_batch(text_file, tmp_path, optimizer_steps):
+    """Two micro-batches of 4 accumulated give the gradients and the update of one batch of 8
+    (same blocks); gradient checkpointing in the second run changes nothing either. Clipping is
+    off: it would rescale both to the same norm, as AdamW's update is blind to the gradients' scale."""
+    common = ["--max_iters=3", "--eval_interval=3", "--plot=false", "--grad_clip=0", "--warmup_iters=0"]
+    train(_config(text_file, tmp_path / "a", *common, "--batch_size=4", "--gradient_accumulation_steps=2"))
+    accumulated = optimizer_steps[:]
+    optimizer_steps.clear()
+    train(_config(text_file, tmp_path / "b", *common, "--batch_size=8", "--gradient_accumulation_steps=1",
+                  "--eval_iters=1", "--gradient_checkpointing"))
+    assert len(accumulated) == len(optimizer_steps) == 3
+    for mine, big in zip(accumulated[0], optimizer_steps[0]):  # same weights at the first step
+        assert max_diff(mine, big) < 1e-6
     a = load_file(tmp_path / "a" / "model" / "model.safetensors")
     b = load_file(tmp_path / "b" / "model" / "model.safetensors")
     for name in a:
         assert max_diff(a[name], b[name]) < 1e-5, name
+
+
+def test_gradient_clipping_bounds_what_the_optimizer_gets(text_file, tmp_path, optimizer_steps):
+    train(_config(text_file, tmp_path / "free", "--max_iters=3", "--eval_interval=3", "--plot=false", "--grad_clip=0",
+                  "--warmup_iters=0"))
+    free = [grad_norm(g) for g in optimizer_steps]
+    optimizer_steps.clear()
+    train(_config(text_file, tmp_path / "clip", "--max_iters=3", "--eval_interval=3", "--plot=false", "--grad_clip=0.05",
+                  "--warmup_iters=0"))
+    clipped = [grad_norm(g) for g in optimizer_steps]
+    assert free[0] > 0.5  # so the clipping below has work to do
+    assert clipped == pytest.approx([0.05] * 3, rel=1e-4)
+
+
+def test_val_loss_is_the_validation_splits(text_file, tmp_path):
+    """A validation split of exactly block_size + 2 tokens has one block, so val_loss can be
+    recomputed by hand from val.bin and the final model; the first training block (which a bug
+    evaluating the wrong split would use) gives another loss on this non-periodic text."""
+    n = len(text_file.read_text())
+    cfg = _config(text_file, tmp_path, "--max_iters=10", "--eval_interval=10", "--plot=false",
+                  f"--val_fraction={18.5 / n}")  # block_size 16: 18 tokens of validation text
+    result = train(cfg)
+    val = np.fromfile(tmp_path / "data" / "val.bin", dtype=np.uint16).astype(np.int64)
+    first_train = np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)[:17].astype(np.int64)
+    assert len(val) == 18
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+
+    def loss(block) -> float:
+        block = torch.from_numpy(block)
+        with torch.no_grad():
+            return F.cross_entropy(model(block[None, :16]).logits[0], block[1:17]).item()
+
+    assert result["val_loss"] == pytest.approx(loss(val[:17]), abs=1e-5)
+    assert abs(loss(val[:17]) - loss(first_train)) > 0.05
 
 
 def test_bf16_autocast_run_learns(text_file, tmp_path):
