@@ -36,6 +36,25 @@ def test_user_loop_loss_and_grads_match_transformers():
         assert max_diff(p.grad, hf_grads[name].grad) < 1e-5, name
 
 
+@torch.no_grad()
+def test_attention_dropout_matches_transformers_statistics():
+    """attn_pdrop alone (the other dropouts off): in train mode the logits vary from pass to pass
+    with the spread and mean of transformers' dropout of the attention weights (inverted dropout:
+    kept weights scaled by 1/(1-p))."""
+    torch.manual_seed(0)
+    model = randomize(GPT2LMHeadModel(tiny_config(n_layer=1, attn_pdrop=0.5)), seed=6)
+    hf = hf_twin(model)
+    n = 300
+    ids = _batch(B=1, T=8).expand(n, 8)  # n copies of one row: n independent dropout draws
+    ours = model.train()(ids).logits.double()  # (n, T, V)
+    theirs = hf.train()(ids).logits.double()
+    assert max_diff(model.eval()(ids).logits, hf.eval()(ids).logits) < 1e-5  # no dropout in eval mode
+    assert theirs.var(0).mean() > 0.5  # dropout matters here
+    assert 0.85 < ours.var(0).mean() / theirs.var(0).mean() < 1.15
+    standard_error = (theirs.var(0) / n).sqrt().mean()
+    assert (ours.mean(0) - theirs.mean(0)).abs().mean() < 2 * standard_error
+
+
 def test_user_loop_with_any_optimizer_learns():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(tiny_config())
