@@ -120,14 +120,29 @@ def test_zeroed_head_equals_head_mask(model, ids, name):
         assert torch.equal(ablated.hidden_states[i], clean.hidden_states[i])
 
 
-def test_patched_residual_carries_the_other_run(model, ids):
+def test_patching_a_middle_layer_at_some_positions(model, ids):
+    """Activation patching as it is used: the corrupted run (other) gets the clean run's layer-1
+    residual at positions 3-4 only. (Patching every position would give the clean logits at any
+    layer by construction, and patching the last block changes nothing downstream but ln_f.)"""
     other = ids.flip(1)
     with torch.no_grad():
-        _, donor = inspect.run_with_cache(model, other, layers=[2], names=["resid_post"])
-        patched_from_last_block = inspect.edit(model, "h.2.resid_post", inspect.patch(donor["h.2.resid_post"]))
-        with patched_from_last_block:
-            patched = model(ids)
-        assert max_diff(patched.logits, model(other).logits) < 1e-5
+        _, clean = inspect.run_with_cache(model, ids, layers=[1], names=["resid_post"])
+        _, corrupted = inspect.run_with_cache(model, other, layers=[1], names=["resid_post"])
+        corrupted_logits = model(other).logits
+
+        def restore(x):  # (B, T, C)
+            x[:, 3:5] = clean["h.1.resid_post"][:, 3:5]
+            return x
+
+        with inspect.edit(model, "h.1.resid_post", restore):
+            patched = model(other).logits
+        # By hand: the corrupted residual with the clean positions, through block 2, ln_f and lm_head.
+        resid = corrupted["h.1.resid_post"].clone()
+        resid[:, 3:5] = clean["h.1.resid_post"][:, 3:5]
+        by_hand = model.lm_head(model.transformer.ln_f(model.transformer.h[2](resid)[0]))
+    assert max_diff(patched, by_hand) < 1e-5
+    assert torch.equal(patched[:, :3], corrupted_logits[:, :3])  # causal: earlier positions untouched
+    assert (patched[:, 3:] - corrupted_logits[:, 3:]).abs().amax(-1).min() > 1e-2  # every later one moved
 
 
 def test_edits_and_captures_nest_and_are_removed(model, ids):
@@ -200,6 +215,32 @@ def test_attention_png_is_written(cli, model_folder, tmp_path, head_args):
     assert cli(["attention", "--model", str(model_folder), TEXT, "--layer", "1", *head_args, "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert [p.name for p in tmp_path.iterdir()] == ["attn.png"]  # no temp file left behind
+
+
+def test_heatmap_rows_are_queries(cli, model_folder, tmp_path, monkeypatch):
+    """The picture: row i is query token i (what it attends to, keys along the x axis), so
+    nothing is drawn above the diagonal (a token sees no later token)."""
+    import matplotlib.axes
+
+    drawn = []
+    real_imshow = matplotlib.axes.Axes.imshow
+
+    def spy(ax, data, *args, **kwargs):
+        drawn.append((torch.from_numpy(data.copy()), ax))
+        return real_imshow(ax, data, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", spy)
+    assert cli(["attention", "--model", str(model_folder), TEXT, "--layer", "1", "--out", str(tmp_path / "a.png")]) == 0
+    ids = torch.tensor([[sorted(set(TEXT)).index(c) for c in TEXT]])
+    model = GPT2LMHeadModel.from_pretrained(model_folder).eval()
+    with torch.no_grad():
+        expected = model(ids, output_attentions=True).attentions[1][0]  # (nh, query, key)
+    assert len(drawn) == 4
+    for head, (image, ax) in enumerate(drawn):
+        assert max_diff(image, expected[head]) < 1e-5
+        assert image.triu(1).abs().max() == 0
+        assert (ax.get_ylabel(), ax.get_xlabel()) == ("query", "key")
+        assert [t.get_text() for t in ax.get_yticklabels()][:5] == ["h", "e", "l", "l", "o"]
 
 
 def test_attention_json_has_tokens_and_weights(cli, model_folder, tmp_path):
