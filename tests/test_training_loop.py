@@ -210,20 +210,27 @@ def test_resume_after_kill_gives_the_uninterrupted_curve(text_file, tmp_path):
     assert all(max_diff(a[k], b[k]) < 1e-6 for k in a)
 
 
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=N -m gpt2attn.cli ...`, as the README writes it (CPU, gloo)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "gpt2attn.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["--fsdp=false", "--fsdp=true"])
 def test_two_gloo_processes_equal_one_process(text_file, tmp_path, sharding):
-    """torchrun with 2 CPU processes (DDP or FSDP, gloo), 1 micro-batch each, against 1 process
+    """torchrun with 2 CPU processes (DDP or FSDP, gloo) and the recipe's gradient_accumulation_steps
+    = 1, rounded up to 1 micro-batch per process (with one warning), against 1 process
     accumulating the same 2 micro-batches: the weights agree after a few steps."""
-    args = [f"--data={text_file}", *TINY, "--max_iters=6", "--eval_interval=6", "--gradient_accumulation_steps=2",
-            "--plot=false", "--device=cpu", sharding]
-    train(load_config(None, [*args, f"--out_dir={tmp_path / 'one'}"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gpt2attn.cli", "train", *args, f"--out_dir={tmp_path / 'two'}"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    args = [f"--data={text_file}", *TINY, "--max_iters=6", "--eval_interval=6", "--plot=false", "--device=cpu", sharding]
+    train(load_config(None, [*args, "--gradient_accumulation_steps=2", f"--out_dir={tmp_path / 'one'}"]))
+    done = torchrun("train", *args, "--gradient_accumulation_steps=1", f"--out_dir={tmp_path / 'two'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("val loss") == 1  # one report, from the main process
+    warning = "gpt2attn train: warning: gradient_accumulation_steps (1) is not a multiple of the 2 processes"
+    assert done.stderr.count(warning) == 1, done.stderr[-3000:]
     one = load_file(tmp_path / "one" / "model" / "model.safetensors")
     two = load_file(tmp_path / "two" / "model" / "model.safetensors")
     assert one.keys() == two.keys()
@@ -233,6 +240,18 @@ def test_two_gloo_processes_equal_one_process(text_file, tmp_path, sharding):
     assert first["step"] == 6
     rows_one, rows_two = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert rows_two[-1]["train_loss"] == pytest.approx(rows_one[-1]["train_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_error_under_torchrun_is_printed_once(tmp_path):
+    """Every process meets the same bad input (here, data that only the main process reads):
+    the error line appears once, not once per process."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("é".encode("latin-1") * 100)
+    done = torchrun("train", f"--data={bad}", f"--out_dir={tmp_path / 'out'}", *TINY, "--device=cpu")
+    assert done.returncode != 0
+    line = f"gpt2attn train: error: {bad} is not UTF-8 text: byte 0xe9 at offset 0"
+    assert done.stderr.count("gpt2attn train: error:") == 1 and line in done.stderr, done.stderr[-3000:]
 
 
 def test_default_model_loads_in_transformers_with_our_logits():
