@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
-
 from tokenizers import Tokenizer
+from torch import Tensor
 
 from ..files import write_bytes_atomic, write_text_atomic
 from ..tokenizer import char_tokenizer, load_tokenizer
