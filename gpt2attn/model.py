@@ -77,6 +77,19 @@ class GPT2PreTrainedModel(nn.Module):
     def can_generate(cls) -> bool:
         return False
 
+    def to_transformers(self, attn_implementation: str | None = None) -> Any:
+        """transformers' model of the same class sharing these very parameters (no copy)."""
+        from .interop.transformers import to_transformers
+
+        return to_transformers(self, attn_implementation)
+
+    @classmethod
+    def from_transformers(cls, hf_model: Any):
+        """This class built around a transformers model's own parameters (no copy)."""
+        from .interop.transformers import from_transformers
+
+        return from_transformers(cls, hf_model)
+
     # --- embeddings -----------------------------------------------------------------------
 
     def get_input_embeddings(self) -> nn.Embedding:
