@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("generate", "train", "convert", "parity", "attention")
+COMMANDS = ("generate", "train", "convert", "parity", "attention", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:
