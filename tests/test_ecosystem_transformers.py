@@ -3,6 +3,8 @@ generate and pipeline, nnsight's LanguageModel, on our very parameters."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -32,19 +34,39 @@ def same_storage(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return pa.keys() == pb.keys() and all(pa[k] is pb[k] for k in pa)
 
 
-@pytest.mark.parametrize("cls", [GPT2LMHeadModel, GPT2Model])
+def bridged_classes():
+    """Every class of the bridge's table that gpt2attn has (the task heads arrive in gpt2attn.heads)."""
+    found = []
+    for name, module in BRIDGED.items():
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+def tensors(out):
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("cls", bridged_classes(), ids=lambda c: c.__name__)
 def test_to_transformers_shares_parameters_and_computes_the_same(cls):
     ours = randomize(cls(tiny_config())).eval()
     hf = ours.to_transformers(attn_implementation="eager")
     assert type(hf) is getattr(transformers, cls.__name__)
     assert same_storage(ours, hf)
     assert not any(p.is_meta for p in hf.parameters()) and not any(b.is_meta for b in hf.buffers())
-    x = ids()
-    got = ours(x)[0]
-    assert max_diff(got, hf(x)[0]) < 1e-5
+    x = ids((1, 9)) if cls.__name__ != "GPT2DoubleHeadsModel" else ids((1, 2, 9))  # (B, choices, T)
+    got, want = tensors(ours(x)), tensors(hf(x))
+    assert got.keys() == want.keys() and got
+    assert all(max_diff(got[k], want[k]) < 1e-5 for k in got)
     back = cls.from_transformers(hf)
     assert type(back) is cls and same_storage(back, hf)
-    assert max_diff(back(x)[0], got) == 0
+    assert all(max_diff(v, got[k]) == 0 for k, v in tensors(back(x)).items())
+
+
+def test_bridge_covers_the_lm_and_the_base_model():
+    assert {GPT2Model, GPT2LMHeadModel} <= set(bridged_classes())
 
 
 def test_from_transformers_of_a_transformers_model():
