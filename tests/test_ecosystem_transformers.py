@@ -56,7 +56,7 @@ def test_to_transformers_shares_parameters_and_computes_the_same(cls):
     assert type(hf) is getattr(transformers, cls.__name__)
     assert same_storage(ours, hf)
     assert not any(p.is_meta for p in hf.parameters()) and not any(b.is_meta for b in hf.buffers())
-    x = ids((1, 9)) if cls.__name__ != "GPT2DoubleHeadsModel" else ids((1, 2, 9))  # (B, choices, T)
+    x = ids(shape=(1, 9)) if cls.__name__ != "GPT2DoubleHeadsModel" else ids(shape=(1, 2, 9))  # (B, choices, T)
     got, want = tensors(ours(x)), tensors(hf(x))
     assert got.keys() == want.keys() and got
     assert all(max_diff(got[k], want[k]) < 1e-5 for k in got)
