@@ -117,8 +117,14 @@ def export_onnx(model: GPT2LMHeadModel, path: str | Path, kind: str = "forward")
         input_names=inputs, output_names=outputs, verbose=False,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
+    # onnx_ir itself rather than program.save(): torch reaches onnx_ir through a lazy proxy whose
+    # `.save` is shadowed once nnsight has given every object a `.save` (after any nnsight trace).
+    import onnx_ir
+
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    external = path.name + ".data" if n_bytes > 2**31 - 2**20 else None  # a protobuf holds < 2 GB
     tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed into place
-    program.save(str(tmp))
+    onnx_ir.save(program.model, tmp, external_data=external)
     os.replace(tmp, path)
     return path
 
