@@ -59,10 +59,10 @@ class KVCache:
                     f"got {tuple(key.shape)} and {tuple(value.shape)}"
                 )
             cache.keys[i], cache.values[i] = key, value
-        lengths = {k.shape[2] for k in cache.keys}
-        if len(lengths) != 1:
-            raise ValueError(f"past_key_values layers disagree on the cached length: {sorted(lengths)}")
-        cache.length = lengths.pop()
+        lengths = [k.shape[2] for k in cache.keys]  # a list, not a set: symbolic sizes under export do not hash
+        if any(n != lengths[0] for n in lengths):
+            raise ValueError(f"past_key_values layers disagree on the cached length: {sorted(set(lengths))}")
+        cache.length = lengths[0]
         return cache
 
     def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,7 +91,10 @@ class KVCache:
 
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape
-        bigger = buf.new_empty(B, nh, max(needed, 2 * capacity), hs)
+        # Doubling leaves room for the next tokens; a traced graph (export, compile) runs one step and
+        # gets exactly what it needs, as max() over symbolic sizes would pin them.
+        size = needed if torch.compiler.is_compiling() else max(needed, 2 * capacity)
+        bigger = buf.new_empty(B, nh, size, hs)
         bigger[:, :, : self.length] = buf[:, :, : self.length]
         return bigger
 

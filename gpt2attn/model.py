@@ -77,6 +77,19 @@ class GPT2PreTrainedModel(nn.Module):
     def can_generate(cls) -> bool:
         return False
 
+    def to_transformers(self, attn_implementation: str | None = None) -> Any:
+        """transformers' model of the same class sharing these very parameters (no copy)."""
+        from .interop.transformers import to_transformers
+
+        return to_transformers(self, attn_implementation)
+
+    @classmethod
+    def from_transformers(cls, hf_model: Any):
+        """This class built around a transformers model's own parameters (no copy)."""
+        from .interop.transformers import from_transformers
+
+        return from_transformers(cls, hf_model)
+
     # --- embeddings -----------------------------------------------------------------------
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -296,6 +309,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         else:
             init_weights(self.lm_head, config)
 
+    accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch to forward
+
     @classmethod
     def can_generate(cls) -> bool:
         return True
@@ -322,6 +337,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        num_items_in_batch: int | Tensor | None = None,
     ) -> CausalLMOutput | tuple:
         out = self.transformer(
             input_ids,
@@ -341,7 +357,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         logits = self.lm_head(out.last_hidden_state)  # (B, T, vocab)
         loss = None
         if labels is not None:
-            loss = lm_loss(logits, labels, self.config.vocab_size)
+            loss = lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch)
         out = CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions, out.cross_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
@@ -392,8 +408,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         return generate(self, input_ids, **kwargs)
 
 
-def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
-    """Next-token cross-entropy: position t predicts labels[t+1]; label -100 is ignored."""
+def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: int | Tensor | None = None) -> Tensor:
+    """Next-token cross-entropy: position t predicts labels[t+1]; label -100 is ignored.
+
+    num_items_in_batch (transformers' Trainer passes it): divide the summed loss by this count
+    instead of averaging, so gradient accumulation weighs every token alike, as transformers does."""
     labels = _as_int_tensor("labels", labels, logits.device)
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels have shape {tuple(labels.shape)}, expected {tuple(logits.shape[:2])}")
@@ -403,7 +422,9 @@ def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
             raise ValueError(f"labels hold {labels[bad][0].item()}: labels must be -100 or in [0, {vocab_size})")
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+    if num_items_in_batch is None:
+        return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
 def _resize_rows(old: nn.Module, new: nn.Module, mean_resizing: bool, config: GPT2Config) -> None:

@@ -1,0 +1,6 @@
+"""Bridges to other libraries, each importing its client lazily: `import gpt2attn` imports none of them.
+
+transformers.py  zero-copy conversion to and from transformers' GPT-2 classes
+peft.py          LoRA on our Conv1D through PEFT (registered on `import gpt2attn.interop.peft`)
+export.py        torch.export / ONNX of the prefill and the decode step
+"""

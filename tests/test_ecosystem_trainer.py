@@ -1,0 +1,84 @@
+"""transformers.Trainer with default TrainingArguments trains our model as it trains transformers' GPT-2.
+
+`Trainer(model=model)` runs our forward and backward. Its checkpoint writer handles PreTrainedModel
+only: anything else goes to safetensors' save_file, which refuses the tied lm_head / wte pair and
+writes no config.json. So checkpoints go through the zero-copy bridge, `Trainer(model=
+model.to_transformers())`: transformers' class, our parameters, saved by transformers' save_pretrained.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from helpers import hf_twin, max_diff, randomize, tiny_config
+
+from gpt2attn import GPT2LMHeadModel
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=16, T=12):
+        self.x = torch.randint(0, 97, (n, T), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def fresh():
+    return randomize(GPT2LMHeadModel(tiny_config()), std=0.1)
+
+
+def train(model, out, max_steps=4, resume=None, **overrides):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+        logging_steps=1, **overrides,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=resume)
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    return trainer, losses
+
+
+def test_trainer_runs_our_forward_and_logs_transformers_losses(tmp_path):
+    ours, hf = fresh(), hf_twin(fresh())
+    _, want = train(hf, tmp_path / "hf")
+    _, got = train(ours, tmp_path / "ours", save_strategy="no")  # our model as it is: no checkpoints
+    assert len(got) == 4 and got.keys() == want.keys()
+    assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    x = Tokens().x[:2]
+    assert max_diff(ours(x).logits, hf(x).logits) < 1e-4  # the same weights after 4 AdamW steps
+
+
+def test_trainer_checkpoints_load_in_both_libraries_and_resume(tmp_path):
+    ours = fresh()
+    trainer, losses = train(ours.to_transformers(), tmp_path / "run", save_steps=2)
+    _, want = train(hf_twin(fresh()), tmp_path / "hf", save_strategy="no")
+    assert list(losses.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    x = Tokens().x[:2]
+    trained = ours(x).logits  # the Trainer moved our parameters in place
+    trainer.save_model(tmp_path / "final")
+    for folder in (tmp_path / "final", tmp_path / "run" / "checkpoint-4"):
+        assert max_diff(GPT2LMHeadModel.from_pretrained(folder)(x).logits, trained) < 1e-6
+        assert max_diff(transformers.GPT2LMHeadModel.from_pretrained(folder)(x).logits, trained) < 1e-5
+    # resume from step 2 in a new process' worth of state: steps 3 and 4 come out the same
+    again = fresh()
+    _, resumed = train(again.to_transformers(), tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"),
+                       save_strategy="no")
+    assert [resumed[3], resumed[4]] == pytest.approx([losses[3], losses[4]], abs=1e-6)
+    assert max_diff(again(x).logits, trained) < 1e-6
+
+
+def test_loss_divided_by_num_items_in_batch_as_transformers():
+    ours = fresh()
+    hf = hf_twin(ours)
+    x = Tokens().x[:4].clone()
+    x[0, 5:] = -100  # padding labels do not count
+    labels, ids = x, x.clamp(min=0)
+    for n in (None, 48, torch.tensor(37)):
+        kwargs = {} if n is None else {"num_items_in_batch": n}
+        got, want = ours(ids, labels=labels, **kwargs).loss, hf(ids, labels=labels, **kwargs).loss
+        assert abs(got.item() - want.item()) < 1e-5
