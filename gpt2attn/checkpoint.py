@@ -14,9 +14,10 @@ import json
 import math
 import mmap
 import os
+import pickle
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
-from .files import write_atomic, write_text_atomic
+from .files import replace_folder, write_atomic, write_text_atomic
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -82,8 +83,8 @@ def from_pretrained(
         path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
         if path.is_file() and path.suffix in (".pt", ".ckpt"):  # e.g. nanoGPT's out/ckpt.pt
             src, where = read_bin(path), str(path)
-    if isinstance(src, dict) and "model_args" in src:
-        nanogpt_config, state = from_nanogpt(src)
+    if isinstance(src, dict) and not all(isinstance(t, Tensor) for t in src.values()):
+        nanogpt_config, state = from_nanogpt(src, where)  # a training checkpoint, not a state dict
         config = config or nanogpt_config
     elif isinstance(src, dict):
         state = src
@@ -246,23 +247,39 @@ NANOGPT_LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 BIASES = ("ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")
 
 
-def from_nanogpt(checkpoint: dict[str, Any]) -> tuple[GPT2Config, dict[str, Tensor]]:
-    """Config and GPT-2 state dict of a nanoGPT training checkpoint ({'model', 'model_args', ...}).
-    Linear weights are transposed; a model trained with bias=False gets zero biases."""
-    args = checkpoint["model_args"]
+def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, dict[str, Tensor]]:
+    """Config and GPT-2 state dict of a nanoGPT training checkpoint ({'model', 'model_args', ...}),
+    so that the model computes what nanoGPT's does: its MLP uses the exact GELU (nn.GELU()), and a
+    model trained with bias=False gets zero biases. Linear weights are transposed."""
+    missing = [key for key in ("model", "model_args") if key not in checkpoint]
+    if missing:
+        raise ValueError(f"{where}: not a state dict (not every value is a tensor), and not a nanoGPT "
+                         f"checkpoint: no {' or '.join(map(repr, missing))} field")
+    model, args = checkpoint["model"], checkpoint["model_args"]
+    if not isinstance(model, dict) or not all(isinstance(t, Tensor) for t in model.values()):
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model' is not a state dict of tensors")
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' is a {type(args).__name__}, not a dict")
+    missing = [key for key in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head") if key not in args]
+    if missing:
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' has no {', '.join(missing)}")
     dropout = args.get("dropout", 0.0)
-    config = GPT2Config(
-        vocab_size=args["vocab_size"],
-        n_positions=args["block_size"],
-        n_embd=args["n_embd"],
-        n_layer=args["n_layer"],
-        n_head=args["n_head"],
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-    )
+    try:
+        config = GPT2Config(
+            vocab_size=args["vocab_size"],
+            n_positions=args["block_size"],
+            n_embd=args["n_embd"],
+            n_layer=args["n_layer"],
+            n_head=args["n_head"],
+            activation_function="gelu",
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: model_args: {e}") from None
     state = {}
-    for name, t in normalize_keys(checkpoint["model"], prefixed=True).items():
+    for name, t in normalize_keys(model, prefixed=True).items():
         state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
     if not args.get("bias", True):
         C = config.n_embd
@@ -299,56 +316,105 @@ def read_weights(path: Path) -> tuple[dict[str, Tensor], Path | None, str]:
     folder = path if path.is_dir() else path.parent
     config_file = folder / CONFIG_NAME
     if path.is_dir() and not config_file.exists():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (an interrupted save_pretrained leaves none)")
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}")
     config_file = config_file if config_file.exists() else None
+    weight_map = None
     if path.is_file():
         files = [path]
     elif (path / SAFE_WEIGHTS).exists():
         files = [path / SAFE_WEIGHTS]
     elif (path / SAFE_INDEX).exists():
-        files, where = shard_files(path / SAFE_INDEX), path / SAFE_INDEX
+        files, weight_map, where = shard_files(path / SAFE_INDEX)
     elif (path / BIN_WEIGHTS).exists():
         files = [path / BIN_WEIGHTS]
     elif (path / BIN_INDEX).exists():
-        files, where = shard_files(path / BIN_INDEX), path / BIN_INDEX
+        files, weight_map, where = shard_files(path / BIN_INDEX)
     else:
         raise FileNotFoundError(
             f"{path}: no weights found (expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX})"
         )
     state: dict[str, Tensor] = {}
     for file in files:
-        state.update(read_safetensors(file) if file.suffix == ".safetensors" else read_bin(file))
+        shard = read_safetensors(file) if file.suffix == ".safetensors" else read_bin(file)
+        if weight_map is not None:
+            check_shard(where, file.name, shard, weight_map)
+        state.update(shard)
+    if weight_map is not None and (unlisted := [key for key in weight_map if key not in state]):
+        raise ValueError(f"{where}: lists tensors that no shard holds: {', '.join(unlisted)}")
     return state, config_file, str(files[0] if len(files) == 1 else where)
 
 
-def shard_files(index_path: Path) -> list[Path]:
+def shard_files(index_path: Path) -> tuple[list[Path], dict[str, str], str]:
+    """The shard files, weight_map (tensor name -> file name) and name of a shard index, checked:
+    weight_map is an object of file names in the index's own folder (names leading elsewhere are
+    refused), and every file exists."""
     try:
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index_path}: not a valid shard index ({e!r})") from None
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index_path}: not a valid shard index: not JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        found = type(index).__name__ if not isinstance(index, dict) else f"a weight_map of type {type(weight_map).__name__}"
+        raise ValueError(f"{index_path}: not a valid shard index: expected an object with a 'weight_map' object "
+                         f"(tensor name -> file name), found {found}")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{index_path}: weight_map[{key!r}] is {name!r}, not a file name")
+        if name != os.path.basename(name) or name in (".", "..") or "\\" in name:
+            raise ValueError(f"{index_path}: refused: shard {name!r} is a path, not a file name in the index's folder")
     files = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
     for file in files:
-        if not file.exists():
+        if not file.is_file():
             raise FileNotFoundError(f"{index_path} lists shard {file.name}, which is missing")
-    return files
+    return files, weight_map, str(index_path)
+
+
+def check_shard(where: str, name: str, shard: dict[str, Tensor], weight_map: dict[str, str]) -> None:
+    """A shard holds exactly the tensors the index places in it (no shard of another save)."""
+    stray = [key for key in shard if weight_map.get(key) != name]
+    if stray:
+        raise ValueError(f"{where}: shard {name} holds tensors the index does not place there: {', '.join(stray)}")
 
 
 def read_bin(path: Path) -> dict[str, Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # RuntimeError, UnpicklingError, EOFError, ...: maybe the pre-zip format, which cannot be mapped
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+    state = torch_load(path)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return state
 
 
+def torch_load(path: Path) -> Any:
+    """torch.load with weights_only=True (memory-mapped when the file is in the zip format);
+    errors name the file and say whether it was refused or could not be read."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise refused(path, e) from None
+    except Exception:  # RuntimeError, EOFError, ...: maybe the pre-zip format, which cannot be mapped
+        pass
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise refused(path, e) from None
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+
+
+def refused(path: Path, error: Exception) -> ValueError:
+    """The error for a pickle that weights-only loading refuses (it would run or build objects)."""
+    message = str(error)
+    if "Weights only load failed" not in message:
+        return ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {message}")
+    what = re.search(r"GLOBAL [\w.]+", message)
+    return ValueError(f"{path}: refused: holds objects that weights-only loading does not allow"
+                      + (f" ({what.group(0)})" if what else ""))
+
+
 def read_safetensors(path: Path) -> dict[str, Tensor]:
     """Tensors of a .safetensors file as views of a (copy-on-write) memory map: nothing is
-    copied until a tensor is used or converted. The header is checked against the file size."""
+    copied until a tensor is used or converted. The header is checked as the format requires."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size < 8:
@@ -360,29 +426,65 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
-        header.pop("__metadata__", None)
         data_start = 8 + header_len
+        entries = check_safetensors_header(path, header, size - data_start)
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > data_start else b""
     state = {}
-    for name, info in header.items():
-        dtype = SAFE_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-        begin, end = info["data_offsets"]
-        shape = info["shape"]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes:
-            raise ValueError(f"{path}: tensor {name} has {end - begin} bytes, its shape {shape} needs {nbytes}")
-        if data_start + end > size:
-            raise ValueError(
-                f"{path}: truncated: tensor {name} ends at byte {data_start + end}, the file has {size} bytes"
-            )
-        if nbytes == 0:
+    for name, dtype, shape, begin, end in entries:
+        if end == begin:
             state[name] = torch.empty(shape, dtype=dtype)
         else:
-            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=data_start + begin)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
             state[name] = flat.view(dtype).view(shape)
     return state
+
+
+def check_safetensors_header(path: Path, header: Any, data_size: int) -> list[tuple]:
+    """(name, dtype, shape, begin, end) of each tensor, after the checks the format asks for: an
+    object; `__metadata__` an object of strings; a known dtype; a shape of non-negative ints;
+    data_offsets a pair of ints whose span is the shape's size; tensors that tile the data region
+    exactly, in order, without gaps or overlaps."""
+    def bad(message: str) -> ValueError:
+        return ValueError(f"{path}: corrupt safetensors header: {message}")
+
+    if not isinstance(header, dict):
+        raise bad(f"a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad(f"__metadata__ must be an object of strings, found {metadata!r}")
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name}: {info!r} is not an object")
+        dtype = SAFE_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise bad(f"tensor {name} has unsupported dtype {info.get('dtype')!r}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+            raise bad(f"tensor {name}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) for n in offsets):
+            raise bad(f"tensor {name}: data_offsets {offsets!r} is not a pair of integers")
+        begin, end = offsets
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise bad(f"tensor {name}: data_offsets {offsets} span {end - begin} bytes, its shape {shape} needs {nbytes}")
+        entries.append((name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e[3], e[4]))
+    covered = 0
+    for name, _, _, begin, end in entries:
+        if begin != covered:
+            kind = "overlaps the tensor before it" if begin < covered else f"leaves a gap of {begin - covered} bytes"
+            raise bad(f"tensor {name} starts at byte {begin} of the data and {kind}")
+        covered = end
+    if covered > data_size:
+        raise ValueError(f"{path}: truncated: the tensors need {covered} bytes of data, the file has {data_size}")
+    if covered < data_size:
+        raise bad(f"the tensors cover {covered} bytes of data, the file has {data_size}")
+    return entries
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve(src: str | os.PathLike, cache_dir=None, local_files_only: bool = False) -> Path:
@@ -437,6 +539,9 @@ def has_weights(folder: Path) -> bool:
 
 # --- saving ---------------------------------------------------------------------------------
 
+# The files of a model that save_pretrained writes; anything else in the folder is kept.
+MODEL_FILE = re.compile(r"config\.json|(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
 
 def save_pretrained(
     model,
@@ -445,35 +550,41 @@ def save_pretrained(
     max_shard_size: int | str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write an HF folder: weight files (sharded with an index when larger than max_shard_size),
-    then config.json last. Each file is written atomically; config.json is removed first, so a
-    save that stops half-way leaves a folder that does not load rather than a mixed one.
+    """Write an HF folder: config.json and the weights (sharded with an index when larger than
+    max_shard_size). A model already there is replaced as a whole, in one step (files.py's
+    replace_folder): killed or failing at any moment, the folder holds the old model or the new
+    one. Other files in it (tokenizer files, a README) are kept.
     progress(n) is called with each n bytes of tensor data written."""
-    folder = Path(save_directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_NAME).unlink(missing_ok=True)
+    with replace_folder(save_directory, keep=lambda name: not MODEL_FILE.fullmatch(name)) as folder:
+        write_model(model, folder, safe_serialization, max_shard_size, progress)
+
+
+def write_model(
+    model,
+    folder: Path,
+    safe_serialization: bool = True,
+    max_shard_size: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """The files of save_pretrained, written into `folder` (a new folder from replace_folder)."""
     state = tensors_to_save(model)
     ext, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
     shards = split_shards(state, parse_size(max_shard_size))
-    written = []
     if len(shards) == 1:
-        written.append(stem + ext)
+        names = [stem + ext]
     else:
-        written += [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
-    for name, shard in zip(written, shards):
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
         if safe_serialization:
             write_safetensors(folder / name, shard, progress)
         else:
             write_bin(folder / name, shard, progress)
-    index_name = (SAFE_INDEX if safe_serialization else BIN_INDEX) if len(shards) > 1 else None
-    if index_name:
+    if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-            "weight_map": {key: name for name, shard in zip(written, shards) for key in shard},
+            "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
         }
-        write_json(folder / index_name, index)
-        written.append(index_name)
-    remove_stale_weights(folder, keep=set(written))
+        write_json(folder / (SAFE_INDEX if safe_serialization else BIN_INDEX), index)
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
@@ -546,12 +657,3 @@ def write_bin(path: Path, state: dict[str, Tensor], progress: Callable[[int], No
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def remove_stale_weights(folder: Path, keep: Iterable[str]) -> None:
-    """Weight files of an earlier save into the same folder that this save did not write."""
-    keep = set(keep)
-    pattern = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
-    for file in folder.iterdir():
-        if pattern.fullmatch(file.name) and file.name not in keep:
-            file.unlink()

@@ -8,13 +8,12 @@ import socket
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
 from gpt2attn import checkpoint as ckpt
 from helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
-
-transformers = pytest.importorskip("transformers")
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60], [9, 9, 70, 1, 33, 12, 96]])
 
@@ -199,29 +198,15 @@ def test_corrupt_safetensors_header_is_refused(tmp_path):
         GPT2LMHeadModel.from_pretrained(tmp_path)
 
 
-def test_interrupted_save_leaves_no_half_written_file(tmp_path, monkeypatch):
-    model = lm()
-    model.save_pretrained(tmp_path)
-    before = (tmp_path / "model.safetensors").read_bytes()
-    written = []
-    real_write = ckpt.write_safetensors
-
-    def failing_write(path, state, progress=None):
-        def progress_then_fail(n):
-            written.append(n)
-            if len(written) == 5:
-                raise KeyboardInterrupt("power cut")
-
-        real_write(path, state, progress_then_fail)
-
-    monkeypatch.setattr(ckpt, "write_safetensors", failing_write)
-    with pytest.raises(KeyboardInterrupt):
-        lm(seed=7).save_pretrained(tmp_path)
-    assert len(written) == 5  # it did stop in the middle of the file
-    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # no temp file, no config.json
-    assert (tmp_path / "model.safetensors").read_bytes() == before  # the old file, whole
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        GPT2LMHeadModel.from_pretrained(tmp_path)
+def test_resave_keeps_other_files_and_leaves_no_temporaries(tmp_path):
+    lm().save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    (tmp_path / "m" / "notes").mkdir()
+    (tmp_path / "m" / "notes" / "README.md").write_text("mine")
+    lm(seed=3).save_pretrained(tmp_path / "m")
+    assert sorted(os.listdir(tmp_path)) == ["m"]  # the old folder and the temporary one are gone
+    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors", "notes", "tokenizer.json"]
+    assert (tmp_path / "m" / "notes" / "README.md").read_text() == "mine"
 
 
 def test_missing_source_is_a_clear_error(tmp_path):
@@ -290,9 +275,11 @@ def test_resave_into_the_folder_it_was_loaded_from(tmp_path):
 
 @torch.no_grad()
 @pytest.mark.parametrize("bias", [True, False])
-def test_nanogpt_training_checkpoint(tmp_path, bias):
-    """nanoGPT's out/ckpt.pt: torch.compile'd keys, nn.Linear (out, in) weights, model_args."""
-    model = lm()
+def test_nanogpt_checkpoint_computes_what_nanogpt_computes(tmp_path, bias):
+    """nanoGPT's out/ckpt.pt: torch.compile'd keys, nn.Linear (out, in) weights, model_args, and
+    its model's numbers: exact GELU (nn.GELU()) and, with bias=False, no biases at all. The
+    reference is transformers' GPT-2 with activation_function="gelu" and zero biases."""
+    model = lm(activation_function="gelu")
     if not bias:
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -308,8 +295,14 @@ def test_nanogpt_training_checkpoint(tmp_path, bias):
                       block_size=config.n_positions, bias=bias, vocab_size=config.vocab_size, dropout=0.0)
     torch.save({"model": state, "model_args": model_args, "iter_num": 10, "best_val_loss": 1.5}, tmp_path / "ckpt.pt")
     ours = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt.pt")
+    assert ours.config.activation_function == "gelu"
     assert ours.lm_head.weight is ours.transformer.wte.weight
-    assert max_diff(ours(TOKENS).logits, model(TOKENS).logits) < 1e-5
+    reference = hf_twin(model).eval()
+    assert reference.config.activation_function == "gelu"
+    assert max_diff(ours(TOKENS).logits, reference(TOKENS).logits) < 1e-5
+    tanh_gelu = hf_twin(lm(activation_function="gelu_new")).eval()
+    tanh_gelu.load_state_dict(model.state_dict())
+    assert max_diff(ours(TOKENS).logits, tanh_gelu(TOKENS).logits) > 1e-4  # the test tells the two GELUs apart
 
 
 def test_saved_files_get_the_usual_permissions(tmp_path):
