@@ -143,7 +143,6 @@ def tokenize(folder: Path, text: str) -> list[int]:
     names = ("vocab.json", "merges.txt", "tokenizer.json", "encoder.json", "vocab.bpe")
     if not folder.is_dir() or not any((folder / n).exists() for n in names):
         raise ValueError(f"--text needs tokenizer files (vocab.json + merges.txt) in {folder}; use --tokens N instead")
-    from .tokenizer import load_tokenizer
+    from .tokenizer import encode, load_tokenizer
 
-    ids = load_tokenizer(folder).encode(text)
-    return list(getattr(ids, "ids", ids))
+    return encode(load_tokenizer(folder), text)

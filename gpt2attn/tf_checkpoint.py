@@ -223,7 +223,15 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     hparams_path = folder / "hparams.json"
     if not hparams_path.exists():
         raise FileNotFoundError(f"{folder}: no hparams.json beside the TF checkpoint")
-    hp = json.loads(hparams_path.read_text())
+    try:
+        hp = json.loads(hparams_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{hparams_path}: not valid JSON ({e})") from None
+    if not isinstance(hp, dict):
+        raise ValueError(f"{hparams_path}: expected a JSON object of hyperparameters, found a {type(hp).__name__}")
+    missing = [key for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer") if key not in hp]
+    if missing:
+        raise ValueError(f"{hparams_path}: missing {', '.join(map(repr, missing))}")
     try:
         config = GPT2Config(
             vocab_size=hp["n_vocab"],
@@ -231,14 +239,14 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
             n_embd=hp["n_embd"],
             n_head=hp["n_head"],
             n_layer=hp["n_layer"],
-            bos_token_id=hp["n_vocab"] - 1, eos_token_id=hp["n_vocab"] - 1,  # <|endoftext|> is the last id
         )
-    except KeyError as e:
-        raise ValueError(f"{hparams_path}: missing {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{hparams_path}: {e}") from None
+    config.bos_token_id = config.eos_token_id = config.vocab_size - 1  # <|endoftext|> is the last id
     prefix = "model.ckpt"
     if (folder / "checkpoint").exists():  # 'model_checkpoint_path: "model.ckpt"'
-        m = re.search(r'model_checkpoint_path:\s*"([^"]+)"', (folder / "checkpoint").read_text())
-        prefix = m.group(1) if m else prefix
+        m = re.search(r'model_checkpoint_path:\s*"([^"]+)"', (folder / "checkpoint").read_text(errors="replace"))
+        prefix = Path(m.group(1)).name if m else prefix  # the files beside it, wherever it was written
     state = {}
     for name, array in read_bundle(folder / prefix).items():
         tensor = torch.from_numpy(array)

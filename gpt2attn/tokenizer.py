@@ -3,11 +3,13 @@
 `load_tokenizer(src)` reads GPT-2's byte-level BPE from `tokenizer.json`, HF's
 `vocab.json` + `merges.txt`, or OpenAI's `encoder.json` + `vocab.bpe`.
 `char_tokenizer(text)` makes a character-level vocabulary (ids 0..V-1, sorted characters),
-as nanoGPT's shakespeare_char does.
+as nanoGPT's shakespeare_char does. `encode(tokenizer, text)` gives the ids, or a ValueError
+naming the characters a vocabulary lacks.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -21,11 +23,11 @@ def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Toke
 
     path = resolve(src, cache_dir)
     if path.is_file():
-        return Tokenizer.from_file(str(path))
+        return _tokenizer_json(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no tokenizer folder at {path}")
     if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(path / "tokenizer.json"))
+        return _tokenizer_json(path / "tokenizer.json")
     for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         if (path / vocab_name).is_file() and (path / merges_name).is_file():
             return _byte_level_bpe(path / vocab_name, path / merges_name)
@@ -34,8 +36,41 @@ def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Toke
     )
 
 
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The token ids of text. A vocabulary without some of text's characters (a character-level
+    one, with no unknown token) is a ValueError that names them."""
+    try:
+        return tokenizer.encode(text).ids
+    except Exception as e:  # tokenizers raises plain Exception ("Missing [UNK] token ...")
+        vocab = tokenizer.get_vocab()
+        pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text) if tokenizer.pre_tokenizer else [(text, None)]
+        missing = [piece for piece in dict.fromkeys(piece for piece, _ in pieces) if piece not in vocab]
+        if not missing:
+            raise ValueError(f"cannot encode the text: {e}") from None
+        shown = ", ".join(f"{piece!r} ({', '.join(f'U+{ord(c):04X}' for c in piece)})" for piece in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise ValueError(f"the text has characters that the tokenizer's vocabulary ({len(vocab)} tokens) "
+                         f"does not hold: {shown}{more}") from None
+
+
+def _tokenizer_json(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception for every problem
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
+
+
 def _byte_level_bpe(vocab_file: Path, merges_file: Path) -> Tokenizer:
-    bpe = models.BPE.from_file(str(vocab_file), str(merges_file))
+    try:
+        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{vocab_file}: not a readable vocabulary: not JSON ({e})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
+        raise ValueError(f"{vocab_file}: not a readable vocabulary: expected a JSON object of token -> id")
+    try:
+        bpe = models.BPE.from_file(str(vocab_file), str(merges_file))
+    except Exception as e:  # the vocabulary was read above, so the merges are at fault
+        raise ValueError(f"{merges_file}: not readable merges for {vocab_file.name} ({e})") from None
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -76,7 +76,7 @@ def test_train_writes_metrics_checkpoints_model_and_plot(text_file, tmp_path):
     assert result["val_loss"] == rows[-1]["val_loss"]
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert latest_checkpoint(tmp_path).name == "step_0000040"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000040"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000040"]
     umask = os.umask(0)
     os.umask(umask)
     for file in [*tmp_path.glob("*.*"), *(tmp_path / "data").iterdir(), *(tmp_path / "model").iterdir()]:

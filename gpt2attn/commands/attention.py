@@ -51,13 +51,13 @@ def attention_weights(src, text: str, layer: int, head: int | None):
 
     from .. import inspect
     from ..model import GPT2LMHeadModel
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import encode, load_tokenizer
 
     src = model_folder(src)  # a folder, or a hub name's cached folder
     tokenizer = load_tokenizer(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config
-    ids = tokenizer.encode(text).ids
+    ids = encode(tokenizer, text)
     if not ids:
         raise ValueError("the text gives no tokens")
     if len(ids) > cfg.n_positions:

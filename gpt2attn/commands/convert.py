@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import re
 from pathlib import Path
 
 HELP = "convert any checkpoint gpt2attn loads (HF, hub, nanoGPT, OpenAI TF) to an HF folder"
@@ -18,40 +18,55 @@ TOKENIZER_FILES = {
     "encoder.json": "vocab.json",
     "vocab.bpe": "merges.txt",
 }
+# Files of a model already in DST (HF weights and config, tokenizer, OpenAI TF release): --overwrite
+# replaces them all, so that no old tokenizer or TF checkpoint stays beside the new weights.
+OLD_MODEL_FILES = re.compile(r"hparams\.json|checkpoint|model\.ckpt\..+|ckpt\.pt")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument(
         "src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder"
     )
-    parser.add_argument("dst", help="output folder (created; config.json is written last)")
+    parser.add_argument("dst", help="output folder (written beside and swapped in whole: never half a model)")
     parser.add_argument("--dtype", choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"],
                         help="store the weights in this dtype (default: as in SRC)")
     parser.add_argument("--max-shard-size", help="split into shards of at most this size, e.g. 500MB")
     parser.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of safetensors")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the model DST already holds (its weights, config and tokenizer files)")
+
+
+def is_model_file(name: str) -> bool:
+    from ..checkpoint import MODEL_FILE
+
+    return bool(MODEL_FILE.fullmatch(name) or name in TOKENIZER_FILES or OLD_MODEL_FILES.fullmatch(name))
 
 
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..checkpoint import resolve
-    from ..files import write_atomic
+    from ..checkpoint import resolve, write_model
+    from ..files import link_or_copy, replace_folder
     from ..model import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel.from_pretrained(args.src, dtype=args.dtype)
     dst = Path(args.dst)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {dst}") as bar:
-        model.save_pretrained(
-            dst, safe_serialization=not args.bin, max_shard_size=args.max_shard_size, progress=bar.update
-        )
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"destination {dst} is a file, not a folder")
+    held = sorted(p.name for p in dst.iterdir() if is_model_file(p.name)) if dst.is_dir() else []
+    if held and not args.overwrite:
+        raise ValueError(f"{dst} already holds a model ({', '.join(held)}); pass --overwrite to replace it")
+    model = GPT2LMHeadModel.from_pretrained(args.src, dtype=args.dtype)
     src = resolve(args.src) if not Path(args.src).is_file() else Path(args.src).parent
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
     copied = []
-    for name, new_name in TOKENIZER_FILES.items():
-        if (src / name).is_file() and not (dst / new_name).exists():
-            with open(src / name, "rb") as source:
-                write_atomic(dst / new_name, lambda f: shutil.copyfileobj(source, f))
-            copied.append(new_name)
+    with replace_folder(dst, keep=lambda name: not is_model_file(name)) as folder:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {dst}") as bar:
+            write_model(model, folder, safe_serialization=not args.bin, max_shard_size=args.max_shard_size,
+                        progress=bar.update)
+        for name, new_name in TOKENIZER_FILES.items():
+            if (src / name).is_file() and not (folder / new_name).exists():
+                link_or_copy(src / name, folder / new_name)
+                copied.append(new_name)
     n_params = model.num_parameters()
     print(f"{args.src} -> {dst}: {n_params:,} parameters, {model.dtype}, {total / 1e6:.1f} MB of weights"
           + (f"; copied {', '.join(copied)}" if copied else ""))

@@ -28,7 +28,7 @@ def run(args) -> int:
     from . import model_folder
     from ..generation import DEFAULT_MODEL_DIR
     from ..model import GPT2LMHeadModel
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import encode, load_tokenizer
 
     folder = model_folder(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
     if args.num_samples < 1:
@@ -37,7 +37,7 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(folder)
     model = GPT2LMHeadModel.from_pretrained(folder).eval()
-    prompt_ids = tokenizer.encode(args.prompt).ids
+    prompt_ids = encode(tokenizer, args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     eos_id = tokenizer.token_to_id("<|endoftext|>")

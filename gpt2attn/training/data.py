@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from ..files import write_bytes_atomic, write_text_atomic
-from ..tokenizer import char_tokenizer, load_tokenizer
+from ..tokenizer import char_tokenizer, encode, load_tokenizer
 
 
 def read_text(src: str | Path) -> str:
@@ -68,7 +68,7 @@ def prepare_data(src: str | Path, folder: str | Path, tokenizer: str = "char", v
     vocab_size = tok.get_vocab_size()
     if vocab_size > 65536:
         raise ValueError(f"the tokenizer has {vocab_size} tokens; uint16 token files hold at most 65536")
-    ids = np.array(tok.encode(text).ids, dtype=np.uint16)
+    ids = np.array(encode(tok, text), dtype=np.uint16)
     n_val = int(len(ids) * val_fraction)
     if n_val < 2 or len(ids) - n_val < 2:
         raise ValueError(f"{src} gives only {len(ids)} tokens: too few for a train/val split")

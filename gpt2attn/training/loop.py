@@ -1,8 +1,8 @@
 """The training loop behind `gpt2attn train`: nanoGPT's recipe on the HF-layout GPT-2.
 
-out_dir gets data/ (token files), checkpoints/ (HF model folder + training_state.pt, the
-newest named in checkpoints/latest), model/ (the final model and its tokenizer.json),
-metrics.jsonl and loss.png.
+out_dir gets data/ (token files), checkpoints/step_NNNNNNN (HF model folder, tokenizer.json and
+training_state.pt; each appears whole, see save_checkpoint), model/ (the final model and its
+tokenizer.json), metrics.jsonl and loss.png.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
+import re
 import time
 import warnings
 from pathlib import Path
@@ -23,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import GPT2Config
-from ..files import write_atomic, write_text_atomic
+from ..checkpoint import torch_load, write_model
+from ..files import link_or_copy, remove_tree, replace_folder, write_atomic, write_text_atomic
 from ..model import GPT2LMHeadModel
 from . import distributed
 from .config import TrainConfig
@@ -102,7 +101,7 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
     batch_rng = torch.Generator().manual_seed(cfg.seed)  # the data position: same on every process
     step = 0
     if checkpoint is not None:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=True)
+        state = read_training_state(checkpoint)
         if sharded:
             distributed.load_sharded_optimizer(wrapped, optimizer, state["optimizer"])
         else:
@@ -194,8 +193,7 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
 
     model_dir = out_dir / "model"
     if info.is_main:
-        shutil.copytree(latest_checkpoint(out_dir), model_dir, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("training_state.pt"))
+        publish_model(latest_checkpoint(out_dir), model_dir)
         if plot:
             plot_losses(metrics.path, out_dir / "loss.png")
     distributed.barrier(info)
@@ -253,39 +251,49 @@ def _progress_bar(cfg: TrainConfig, step: int, is_main: bool):
 # --- checkpoints ----------------------------------------------------------------------
 
 
-def save_model(model: GPT2LMHeadModel, folder: Path, tokenizer_json: Path) -> None:
-    """An HF model folder (config.json, model.safetensors) with its tokenizer.json."""
-    model.save_pretrained(folder)
-    write_text_atomic(folder / "tokenizer.json", tokenizer_json.read_text(encoding="utf-8"))
+TRAINING_STATE = "training_state.pt"
+STATE_KEYS = ("step", "optimizer", "scheduler", "batch_rng", "torch_rng")
 
 
 def save_checkpoint(out_dir: Path, model: GPT2LMHeadModel, state: dict[str, Any]) -> Path:
-    """checkpoints/step_NNNNNNN, built in a temporary folder and renamed into place; then
-    checkpoints/latest names it and older ones are removed. A kill at any moment leaves
-    `latest` naming a complete checkpoint."""
+    """checkpoints/step_NNNNNNN: the model, its tokenizer.json and training_state.pt, written as
+    one folder by replace_folder, so that a step_ folder is complete from the instant it exists.
+    Then the older ones are removed (renamed away first, so never seen half-deleted)."""
     root = out_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state['step']:07d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    os.chmod(tmp, 0o755)
-    save_model(model, tmp, out_dir / "data" / "tokenizer.json")
-    torch.save(state, tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_text_atomic(root / "latest", final.name + "\n")
+    with replace_folder(final) as folder:
+        write_model(model, folder)
+        link_or_copy(out_dir / "data" / "tokenizer.json", folder / "tokenizer.json")
+        write_atomic(folder / TRAINING_STATE, lambda f: torch.save(state, f))
     for old in root.iterdir():
-        if old != final and old.is_dir():
-            shutil.rmtree(old)
+        if old != final:
+            remove_tree(old)
     return final
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    pointer = out_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    folder = pointer.parent / pointer.read_text().strip()
-    return folder if (folder / "training_state.pt").is_file() else None
+    """The newest checkpoint (highest step) in out_dir/checkpoints, or None."""
+    root = out_dir / "checkpoints"
+    steps = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir()] if root.is_dir() else []
+    return max(steps, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def read_training_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's training_state.pt; errors name the file (missing, truncated, refused)."""
+    path = checkpoint / TRAINING_STATE
+    state = torch_load(path)
+    missing = [key for key in STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise ValueError(f"{path}: not a gpt2attn training state (no {', '.join(missing)})")
+    return state
+
+
+def publish_model(checkpoint: Path, model_dir: Path) -> None:
+    """out_dir/model: the checkpoint's model and tokenizer.json, replacing the last one in one step."""
+    with replace_folder(model_dir) as folder:
+        for file in checkpoint.iterdir():
+            if file.name != TRAINING_STATE:
+                link_or_copy(file, folder / file.name)
 
 
 # --- metrics --------------------------------------------------------------------------
