@@ -1,9 +1,12 @@
-"""gpt2attn.files: atomic writes keep the old file on failure and leave no temporary behind."""
+"""gpt2attn.files: atomic file writes and folder swaps keep the old contents on failure and leave
+no temporary behind; leftovers of killed writes are cleaned unless in use."""
 
 import os
+from pathlib import Path
 
 import pytest
 
+from gpt2attn import files
 from gpt2attn.files import write_atomic, write_bytes_atomic, write_text_atomic
 
 
@@ -28,3 +31,83 @@ def test_text_goes_in_as_utf8_with_umask_permissions_and_parents_made(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_replace_folder_swaps_in_the_new_contents_and_keeps_what_it_is_told_to(tmp_path):
+    target = tmp_path / "model"
+    (target / "sub").mkdir(parents=True)
+    (target / "weights").write_text("old")
+    (target / "README.md").write_text("mine")
+    (target / "sub" / "notes").write_text("kept")
+    with files.replace_folder(target, keep=lambda name: name != "weights") as new:
+        assert new.parent == tmp_path and new.name.startswith(".model.") and list(new.iterdir()) == []
+        (new / "weights").write_text("new")
+        (new / "README.md").write_text("the block's own")  # the block's file wins over a kept one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert (target / "weights").read_text() == "new"
+    assert (target / "README.md").read_text() == "the block's own"
+    assert (target / "sub" / "notes").read_text() == "kept"
+
+
+def test_replace_folder_on_failure_leaves_the_old_folder_and_nothing_else(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "weights").write_text("old")
+    with pytest.raises(OSError, match="disk full"):
+        with files.replace_folder(target) as new:
+            (new / "weights").write_text("new, but only ha")
+            raise OSError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert (target / "weights").read_text() == "old"
+
+
+def test_replace_folder_without_rename_exchange(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)  # as on a file system without it
+    target = tmp_path / "model"
+    for text in ("one", "two"):
+        with files.replace_folder(target) as new:
+            (new / "weights").write_text(text)
+    assert (target / "weights").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_leftovers_are_removed_unless_in_use_or_the_only_copy(tmp_path):
+    fcntl = pytest.importorskip("fcntl", reason="advisory locks are POSIX only")
+    target = tmp_path / "model"
+    dead = tmp_path / ".model.abcd1234.tmp"  # a killed save's folder
+    live = tmp_path / ".model.efgh5678.tmp"  # a save running now (it holds the lock)
+    old = tmp_path / ".model.ijkl9012.old"   # the old model, moved aside by the two-rename swap
+    other = tmp_path / ".other.abcd1234.tmp"  # another target's
+    for folder in (dead, live, old, other):
+        folder.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        files.remove_leftovers(target)  # `model` is missing: the .old folder is its only copy
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, old, other))
+        target.mkdir()
+        files.remove_leftovers(target)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, other, target))
+    finally:
+        os.close(fd)
+    write_text_atomic(tmp_path / "note", "x")
+    (tmp_path / ".note.abcd1234.tmp").write_text("a killed write")
+    write_text_atomic(tmp_path / "note", "y")
+    assert not (tmp_path / ".note.abcd1234.tmp").exists()
+
+
+def test_replace_folder_through_a_link_and_from_inside(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with files.replace_folder(tmp_path / "link") as new:
+        (new / "weights").write_text("new")
+    assert (tmp_path / "link").is_symlink() and (real / "weights").read_text() == "new"
+    monkeypatch.chdir(real)
+    with files.replace_folder(".") as new:
+        (new / "weights").write_text("newer")
+    assert Path("weights").read_text() == "newer"  # the working directory is the new folder
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a folder"):
+        with files.replace_folder(tmp_path / "file"):
+            pass
