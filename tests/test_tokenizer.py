@@ -5,7 +5,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer
 
-from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
+from gpt2attn.tokenizer import char_tokenizer, encode, load_tokenizer
 from helpers import shared_data
 
 TEXTS = ["Hello world", " leading space", "multi  spaces\tand\nnewlines", "émoji 🙂 ünïcödé", "<|endoftext|>after"]
@@ -59,3 +59,19 @@ def test_char_tokenizer_round_trips_and_loads_elsewhere(tmp_path):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
     assert fast(text)["input_ids"] == ids
     assert fast.decode(ids) == text
+
+
+@pytest.mark.parametrize("command", [["generate", "--max-new-tokens", "2"], ["attention", "--format", "json"]])
+def test_commands_name_the_characters_the_shipped_model_cannot_encode(command, capsys):
+    from gpt2attn.cli import main
+
+    assert main([*command, "Café 中 🙂"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpt2attn {command[0]}: error: the text has characters")
+    assert "'é' (U+00E9), '中' (U+4E2D), '🙂' (U+1F642)" in err
+    assert "Traceback" not in err
+
+
+def test_encode_gives_the_ids_when_every_character_is_known():
+    tok = char_tokenizer("abc ")
+    assert encode(tok, "cab a") == tok.encode("cab a").ids == [3, 1, 2, 0, 1]
