@@ -29,6 +29,7 @@ Where the file system cannot exchange names (not Linux; some network file system
 two renames: `path` to `.NAME.XXXXXXXX.old`, then the new folder to `path`. A kill between them
 leaves no `path` and the whole old model under the `.old` name; that name is never cleaned
 while `path` is missing. A mount point cannot be renamed at all: save into a folder inside it.
+Writing `path` needs write access to its parent folder, where the new folder is made.
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ def replace_folder(path: str | os.PathLike, keep: Callable[[str], bool] = lambda
                                    "save into a folder inside it")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path)
-    new = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        new = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    except PermissionError:
+        raise PermissionError(errno.EACCES, f"cannot write {path}: the new contents go into a folder beside it, "
+                              f"and {path.parent} is not writable") from None
     lock = os.open(new, os.O_RDONLY)
     try:
         _lock(lock, blocking=True)
