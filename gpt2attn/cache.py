@@ -89,6 +89,26 @@ class KVCache:
         """Keep a layer's cross-attention keys/values (B, nh, T_enc, hs) for the steps to come."""
         self.cross_keys[layer], self.cross_values[layer] = key, value
 
+    def load(self, past: "KVCache") -> None:
+        """Copy past's tokens into this (preallocated, empty) cache; past's rows may repeat here
+        (beams): this cache's batch must be a multiple of past's."""
+        rows = self.keys[0].size(0) // past.batch_size
+        for i, (k, v) in enumerate(past):
+            self.keys[i][:, :, : past.length] = k.repeat_interleave(rows, dim=0)
+            self.values[i][:, :, : past.length] = v.repeat_interleave(rows, dim=0)
+        self.length = past.length
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row i takes the cached tokens of row rows[i] (beam search), in place in the same
+        buffers: only the rows that change are gathered and written back."""
+        moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
+        if moved.numel() == 0:
+            return
+        sources = rows[moved]
+        for buf in (*self.keys, *self.values):
+            used = buf[:, :, : self.length]
+            used.index_copy_(0, moved, used.index_select(0, sources))
+
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape
         # Doubling leaves room for the next tokens; a traced graph (export, compile) runs one step and

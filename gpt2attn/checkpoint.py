@@ -106,7 +106,12 @@ def from_pretrained(
         config.validate()
     # A caller's state dict is copied, so the new model does not share storage with its source.
     copy = isinstance(src, dict)
-    return build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
+    model = build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
+    if not isinstance(src, dict) and path.is_dir() and hasattr(cls, "generate"):
+        from .generation.config import load_generation_config
+
+        load_generation_config(model, path)
+    return model
 
 
 def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str, copy: bool):
@@ -589,6 +594,10 @@ def write_model(
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     write_json(folder / CONFIG_NAME, config)
+    if hasattr(model, "generate"):
+        from .generation.config import save_generation_config
+
+        save_generation_config(model, folder)
 
 
 def tensors_to_save(model) -> dict[str, Tensor]:

@@ -401,8 +401,21 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             **kwargs,
         }
 
-    def generate(self, input_ids: Tensor, **kwargs: Any) -> Any:
-        """Greedy or sampled continuation of input_ids; see gpt2attn.generation.generate."""
+    @property
+    def generation_config(self) -> Any:
+        """generate()'s defaults: the folder's generation_config.json, else from the config."""
+        if "_generation_config" not in self.__dict__:
+            from .generation import GenerationConfig
+
+            self.__dict__["_generation_config"] = GenerationConfig.from_model_config(self.config)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value: Any) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def generate(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+        """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
         from .generation import generate
 
         return generate(self, input_ids, **kwargs)

@@ -1,0 +1,24 @@
+"""Text generation for GPT2LMHeadModel, as transformers' generate() does it.
+
+    config.py      GenerationConfig: defaults from the model, overridden by keywords
+    processors.py  logits processors, one small function each
+    decoder.py     the model stepping on one preallocated, in-place KV cache
+    search.py      greedy / sampling, beam search
+    assisted.py    assisted decoding: an assistant model's or the prompt's drafts, verified
+    generate.py    generate(): inputs checked, settings resolved, a search chosen, outputs
+"""
+
+from pathlib import Path
+
+from .config import GenerationConfig
+from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, generate
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "GenerateBeamDecoderOnlyOutput",
+    "GenerateDecoderOnlyOutput",
+    "GenerationConfig",
+    "generate",
+]

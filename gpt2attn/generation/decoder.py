@@ -1,0 +1,68 @@
+"""Decoder: the model stepping a batch of rows forward on one preallocated KV cache.
+
+The cache is sized for the whole request up front; every forward writes its keys/values in
+place, `rollback()` forgets rejected draft tokens and `reorder()` moves beams in place. With left
+padding the attention mask and the position ids (as transformers derives them) go along.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..cache import KVCache
+
+
+class Decoder:
+    def __init__(self, model, rows: int, capacity: int, device, mask: Tensor | None = None,
+                 token_type_ids: Tensor | None = None, past: KVCache | None = None):
+        cfg = model.config
+        self.model = model
+        self.cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head, model.dtype, device)
+        if past is not None:
+            self.cache.load(past)
+        self.token_type_ids = token_type_ids  # (N, T) for the uncached prompt; new tokens repeat its last column
+        self.mask = None
+        if mask is not None and not bool(mask.all()):
+            self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
+            self.mask[:, : mask.size(1)] = mask
+            self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (N, T_mask), as transformers
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @torch.no_grad()
+    def forward(self, ids: Tensor | None = None, embeds: Tensor | None = None, all_positions: bool = False) -> Tensor:
+        """Run ids (N, k) (or embeds (N, k, C)) after the cache; float32 logits of the last
+        position (N, V), or of every position (N, k, V) with all_positions."""
+        k = (ids if ids is not None else embeds).size(1)
+        kwargs = {}
+        if self.mask is not None:
+            kwargs["attention_mask"] = self.mask[:, : self.length + k]
+            kwargs["position_ids"] = self._positions(k)
+        if self.token_type_ids is not None:
+            if self.token_type_ids.size(1) == k:
+                kwargs["token_type_ids"] = self.token_type_ids
+                self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
+            else:
+                kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
+        hidden = self.model.transformer(ids, inputs_embeds=embeds, past_key_values=self.cache, use_cache=True, **kwargs)
+        h = hidden.last_hidden_state
+        return self.model.lm_head(h if all_positions else h[:, -1]).float()  # (N, [k,] V)
+
+    def _positions(self, k: int) -> Tensor:
+        """Position ids (N, k) of the next k tokens: the prompt's from its mask, then counting on."""
+        start, n_prompt = self.length, self.positions.size(1)
+        if start < n_prompt:
+            return self.positions[:, start : start + k]
+        offsets = torch.arange(start - n_prompt + 1, start - n_prompt + 1 + k, device=self.positions.device)
+        return self.positions[:, -1:] + offsets  # (N, k)
+
+    def rollback(self, length: int) -> None:
+        """Forget every cached token from `length` on (drafts the model rejected)."""
+        self.cache.length = length
+
+    def reorder(self, rows: Tensor) -> None:
+        """Row i continues from row rows[i] (beam search), in place."""
+        self.cache.reorder(rows)

@@ -1,0 +1,286 @@
+"""generate(): settings resolved once, inputs checked, then one of the searches.
+
+Settings start from `model.generation_config` and are overridden by keywords, as in
+transformers. The prompt (ids, or embeddings, optionally after a given cache) goes through the
+model in one pass on a cache preallocated for the whole request; each step then computes the
+logits of the last position only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..cache import KVCache
+from .config import GenerationConfig
+from .decoder import Decoder
+from .processors import build_processors
+from .search import beam_search, sample_search
+
+try:  # the lead's ModelOutput base class (attribute, key and index access), once it lands
+    from ..outputs import ModelOutput
+except ImportError:  # pragma: no cover
+    ModelOutput = object
+
+
+@dataclass
+class GenerateDecoderOnlyOutput(ModelOutput):
+    sequences: Tensor
+    scores: tuple[Tensor, ...] | None = None  # per step (N, V), after the processors
+    logits: tuple[Tensor, ...] | None = None  # per step (N, V), raw
+    past_key_values: KVCache | None = None
+
+
+@dataclass
+class GenerateBeamDecoderOnlyOutput(ModelOutput):
+    sequences: Tensor
+    sequences_scores: Tensor | None = None  # (B * num_return_sequences,), length-penalised log-probabilities
+    scores: tuple[Tensor, ...] | None = None  # per step (B * num_beams, V): processed log-probabilities
+    logits: tuple[Tensor, ...] | None = None
+    beam_indices: Tensor | None = None  # (B * num_return_sequences, new): the row each token came from
+    past_key_values: KVCache | None = None
+
+
+def generate(
+    model,
+    input_ids: Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    attention_mask: Tensor | None = None,
+    token_type_ids: Tensor | None = None,
+    inputs_embeds: Tensor | None = None,
+    past_key_values: Any = None,
+    generator: torch.Generator | None = None,
+    stream: bool = False,
+    tokenizer: Any = None,
+    assistant_model: Any = None,
+    **kwargs: Any,
+) -> Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput | Iterator[Tensor]:
+    """Continue input_ids [B, T] (or inputs_embeds [B, T, C]) as transformers' generate does.
+
+    Keywords are GenerationConfig fields (max_new_tokens, do_sample, num_beams, top_k, ...).
+    Returns the sequences [B * num_return_sequences, T + new] (only the new tokens for an
+    inputs_embeds prompt), a GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput with
+    return_dict_in_generate=True, or with stream=True an iterator of each step's tokens [B].
+    """
+    cfg = (generation_config or model.generation_config).update(**kwargs)
+    mcfg = model.config
+    cfg.check(mcfg.vocab_size)
+    if cfg.pad_token_id is None and cfg.eos_ids:
+        cfg.pad_token_id = cfg.eos_ids[0]  # as transformers does for open-ended generation
+    prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, past_key_values)
+    if stream and cfg.num_beams > 1:
+        raise ValueError("stream=True works with greedy decoding and sampling, not with beam search (num_beams > 1)")
+    if cfg.stop_strings is not None and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate()")
+    assisted = assistant_model is not None or cfg.prompt_lookup_num_tokens is not None
+    if assisted:
+        _check_assisted(cfg, prompt, assistant_model, model, stream)
+    if cfg.seed is not None:
+        generator = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+
+    copies = cfg.num_beams if cfg.num_beams > 1 else cfg.num_return_sequences
+    prompt.expand(copies)
+    N = prompt.batch * copies
+    fill = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    if cfg.num_beams > 1:  # what transformers leaves after a finished hypothesis
+        fill = (cfg.pad_token_id or cfg.eos_ids[0]) if cfg.eos_ids else -1
+    out = prompt.ids.new_full((N, prompt.n_ids + prompt.n_new), fill)  # prompt ids + every new token
+    out[:, : prompt.n_ids] = prompt.ids
+    dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past)
+    chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding)
+    stops = _stopping(cfg, tokenizer)
+    record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
+
+    with torch.no_grad():
+        logits = dec.forward(prompt.fed_ids, prompt.embeds)  # (N, V)
+        if cfg.num_beams > 1:
+            sequences, seq_scores, origin = beam_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, generator, record)
+            if not cfg.return_dict_in_generate:
+                return sequences
+            return GenerateBeamDecoderOnlyOutput(
+                sequences=sequences,
+                sequences_scores=seq_scores if cfg.output_scores else None,
+                scores=tuple(record["scores"]) if cfg.output_scores else None,
+                logits=tuple(record["logits"]) if cfg.output_logits else None,
+                beam_indices=origin,
+                past_key_values=dec.cache,
+            )
+    if assisted:
+        from .assisted import assisted_search, draft_from_assistant, draft_from_prompt
+
+        draft = (draft_from_assistant(assistant_model, out, prompt.capacity) if assistant_model is not None
+                 else draft_from_prompt(cfg.prompt_lookup_num_tokens, cfg.max_matching_ngram_size or 2))
+        steps = assisted_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, draft, cfg.num_assistant_tokens
+                                if assistant_model is not None else cfg.prompt_lookup_num_tokens)
+    else:
+        steps = sample_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, fill, generator, record)
+    if stream:
+        return steps
+    n_new = sum(1 for _ in steps)
+    sequences = out[:, : prompt.n_ids + n_new]
+    if not cfg.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(record["scores"]) if cfg.output_scores else None,
+        logits=tuple(record["logits"]) if cfg.output_logits else None,
+        past_key_values=dec.cache,
+    )
+
+
+class _Prompt:
+    """The checked prompt: ids and/or embeddings, mask, token types, a cache to continue, lengths."""
+
+    def __init__(self, model, cfg: GenerationConfig, ids, mask, token_types, embeds, past):
+        mcfg = model.config
+        if ids is None and embeds is None:
+            raise ValueError("generate() needs input_ids or inputs_embeds")
+        if ids is not None:
+            if not isinstance(ids, Tensor):
+                raise TypeError(f"input_ids must be a torch.Tensor, got {type(ids).__name__}")
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ValueError(f"input_ids must be an integer tensor [B, T], got {ids.dtype} {tuple(ids.shape)}")
+            if ids.size(1) == 0 and embeds is None:
+                raise ValueError(f"input_ids must hold at least one token, got shape {tuple(ids.shape)}")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= mcfg.vocab_size):
+                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                raise ValueError(f"input_ids hold {bad}, outside [0, {mcfg.vocab_size})")
+            ids = ids.long()
+        if embeds is not None:
+            if not isinstance(embeds, Tensor) or embeds.dim() != 3 or embeds.size(-1) != mcfg.n_embd or embeds.size(1) == 0:
+                raise ValueError(f"inputs_embeds must be a tensor [B, T, n_embd={mcfg.n_embd}], got "
+                                 f"{tuple(embeds.shape) if isinstance(embeds, Tensor) else type(embeds).__name__}")
+        self.device = (ids if ids is not None else embeds).device
+        B = (ids if ids is not None else embeds).size(0)
+
+        past_cache = None
+        if past is not None:
+            from ..model import _as_cache
+
+            past_cache = _as_cache(past, mcfg.n_layer)
+        past_len = past_cache.length if past_cache is not None else 0
+        if past_cache is not None and past_cache.batch_size != B:
+            raise ValueError(f"past_key_values hold batch size {past_cache.batch_size}, the prompt has {B}")
+
+        if embeds is not None:  # the prompt is the embeddings (any input_ids given are the cached tokens)
+            if ids is not None and ids.size(1) != past_len:
+                raise ValueError(f"with inputs_embeds, input_ids must be the {past_len} cached tokens, got {ids.size(1)}")
+            if embeds.size(0) != B:
+                raise ValueError(f"inputs_embeds have batch size {embeds.size(0)}, input_ids {B}")
+            ids = ids if ids is not None else torch.zeros(B, 0, dtype=torch.long, device=self.device)
+            fed = None
+            n_fed = embeds.size(1)
+        else:
+            if past_len >= ids.size(1):
+                raise ValueError(f"input_ids ({ids.size(1)} tokens) must extend past_key_values ({past_len} tokens)")
+            fed = ids[:, past_len:]
+            n_fed = fed.size(1)
+        T_all = past_len + n_fed  # positions the prompt occupies
+
+        if mask is None and embeds is None and cfg.pad_token_id is not None and cfg.pad_token_id not in cfg.eos_ids \
+                and bool((ids == cfg.pad_token_id).any()):
+            mask = (ids != cfg.pad_token_id).long()  # transformers infers it the same way
+        if mask is not None:
+            mask = _check_mask(mask, B, T_all)
+        if token_types is not None:
+            if not isinstance(token_types, Tensor) or tuple(token_types.shape) != (B, ids.size(1) if embeds is None else n_fed):
+                raise ValueError(f"token_type_ids must have the shape of the prompt, got "
+                                 f"{tuple(token_types.shape) if isinstance(token_types, Tensor) else token_types!r}")
+            token_types = token_types[:, past_len:] if embeds is None else token_types
+
+        n_new = (cfg.max_new_tokens if cfg.max_new_tokens is not None
+                 else cfg.max_length - (ids.size(1) if embeds is None else n_fed))
+        if n_new < 1:
+            raise ValueError(f"max_length={cfg.max_length} leaves no room after the prompt of "
+                             f"{ids.size(1) if embeds is None else n_fed} tokens: set max_new_tokens")
+        capacity = T_all + n_new
+        if capacity > mcfg.n_positions:
+            raise ValueError(
+                f"prompt of {T_all} tokens + max_new_tokens={n_new} = {capacity} positions, "
+                f"but the model has n_positions={mcfg.n_positions}"
+            )
+        if mask is not None and B > 1 and bool((mask[:, -1] == 0).any()):
+            warnings.warn("right-padding was detected in attention_mask: decoder-only models need left padding "
+                          "for correct results (pad on the left)", stacklevel=3)
+        self.ids, self.fed_ids, self.embeds, self.mask = ids, fed, embeds, mask
+        self.token_type_ids, self.past = token_types, past_cache
+        self.batch, self.n_ids, self.n_new, self.capacity = B, ids.size(1), n_new, capacity
+        # left padding of the prompt ids (the repetition penalty skips it), as transformers finds it
+        self.padding = None
+        if mask is not None and embeds is None:
+            first = (mask != 0).int().argmax(dim=1)  # (B,)
+            self.padding = torch.arange(ids.size(1), device=self.device)[None, :] < first[:, None]
+
+    def expand(self, copies: int) -> None:
+        """Repeat every row `copies` times (beams, or several samples per prompt)."""
+        if copies == 1:
+            return
+        rep = lambda t: None if t is None else t.repeat_interleave(copies, dim=0)  # noqa: E731
+        self.ids, self.fed_ids, self.embeds = rep(self.ids), rep(self.fed_ids), rep(self.embeds)
+        self.mask, self.token_type_ids, self.padding = rep(self.mask), rep(self.token_type_ids), rep(self.padding)
+
+
+def _check_mask(mask: Any, B: int, T: int) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, expected ({B}, {T}) (cached + prompt tokens)")
+    values = set(torch.unique(mask).tolist())
+    if not values <= {0, 1}:
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got values {sorted(values)}")
+    empty = (mask == 0).all(dim=1)
+    if bool(empty.any()):
+        raise ValueError(f"attention_mask rows {empty.nonzero().flatten().tolist()} are all padding: nothing to continue")
+    return mask.long()
+
+
+def _stopping(cfg: GenerationConfig, tokenizer):
+    """sequences [M, L] -> bool [M]: the last token is an eos id or completes a stop string."""
+    eos = cfg.eos_ids
+    stop_strings = [cfg.stop_strings] if isinstance(cfg.stop_strings, str) else cfg.stop_strings
+    if not eos and not stop_strings:
+        return None
+
+    def stops(seqs: Tensor) -> Tensor:
+        hit = torch.zeros(seqs.size(0), dtype=torch.bool, device=seqs.device)
+        if eos:
+            hit |= torch.isin(seqs[:, -1], torch.tensor(eos, device=seqs.device))
+        if stop_strings:
+            hit |= torch.tensor([_ends_with_stop(tokenizer, row, stop_strings) for row in seqs.tolist()],
+                                dtype=torch.bool, device=seqs.device)
+        return hit
+
+    return stops
+
+
+def _ends_with_stop(tokenizer, ids: list[int], stop_strings: list[str]) -> bool:
+    """Does a stop string end inside the last token's text?"""
+    longest = max(len(s) for s in stop_strings)
+    tail = ids[-(longest + 1) :]
+    before, text = tokenizer.decode(tail[:-1]), tokenizer.decode(tail)
+    return any(text.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in stop_strings)
+
+
+def _check_assisted(cfg: GenerationConfig, prompt: _Prompt, assistant, model, stream: bool) -> None:
+    if assistant is not None and cfg.prompt_lookup_num_tokens is not None:
+        raise ValueError("pass assistant_model or prompt_lookup_num_tokens, not both")
+    if cfg.do_sample or cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+        raise ValueError("assisted decoding (assistant_model / prompt_lookup_num_tokens) is greedy only: "
+                         "do_sample=False, num_beams=1")
+    if prompt.batch != 1 or prompt.embeds is not None or prompt.past is not None or prompt.token_type_ids is not None:
+        raise ValueError("assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds, "
+                         "token_type_ids or past_key_values")
+    if prompt.mask is not None and not bool(prompt.mask.all()):
+        raise ValueError("assisted decoding takes one unpadded prompt")
+    if assistant is not None and assistant.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"assistant_model has vocab_size {assistant.config.vocab_size}, the model "
+                         f"{model.config.vocab_size}: they must share the vocabulary")
+    if cfg.return_dict_in_generate:
+        raise ValueError("assisted decoding returns the sequences only (return_dict_in_generate=False)")

@@ -1,0 +1,154 @@
+"""Logits processors: one small function each, (scores [N, V], ids [N, L], ...) -> new scores.
+
+`build_processors()` chains the ones a GenerationConfig asks for, in transformers' order: the
+penalties and bans (repetition, n-grams, bad words, minimum length), then, when sampling, the
+warpers (temperature, top-k, top-p, min-p, typical). Removed tokens get -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+Processor = Callable[[Tensor, Tensor], Tensor]  # (ids [N, L], scores [N, V]) -> scores [N, V]
+NEG_INF = float("-inf")
+
+
+def repetition_penalty(scores: Tensor, ids: Tensor, penalty: float, ignore: Tensor | None = None) -> Tensor:
+    """CTRL's penalty on tokens already in ids: positive scores divided by penalty, negative ones
+    multiplied. ignore [N, L] (bool) marks positions not to count (left padding)."""
+    V = scores.size(-1)
+    if ignore is not None:
+        ids = ids.masked_fill(ignore, V)  # counted against an extra column, dropped below
+    padded = torch.nn.functional.pad(scores, (0, 1))  # (N, V + 1)
+    seen = padded.gather(1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return padded.scatter(1, ids, seen)[:, :V]
+
+
+def no_repeat_ngram(scores: Tensor, ids: Tensor, n: int) -> Tensor:
+    """Ban every token that would repeat an n-gram already in ids."""
+    L = ids.size(1)
+    if L + 1 < n:
+        return scores
+    if n == 1:
+        banned = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
+        return scores.masked_fill(banned, NEG_INF)
+    grams = ids.unfold(1, n, 1)  # (N, L - n + 1, n): every n-gram so far
+    prefix = ids[:, L - n + 1 :]  # (N, n - 1): the tokens the next one would complete
+    hit = (grams[:, :, :-1] == prefix[:, None, :]).all(-1)  # (N, W)
+    counts = torch.zeros(scores.shape, dtype=torch.long, device=scores.device)
+    counts.scatter_add_(1, grams[:, :, -1], hit.long())
+    return scores.masked_fill(counts > 0, NEG_INF)
+
+
+def bad_words(scores: Tensor, ids: Tensor, words: list[list[int]]) -> Tensor:
+    """Ban the last token of each word whose other tokens end ids (one-token words: always)."""
+    banned = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    for word in words:
+        head, last = word[:-1], word[-1]
+        if not head:
+            banned[:, last] = True
+        elif len(head) <= ids.size(1):
+            banned[:, last] |= (ids[:, -len(head) :] == ids.new_tensor(head)).all(-1)
+    return scores.masked_fill(banned, NEG_INF)
+
+
+def suppress(scores: Tensor, tokens: Tensor) -> Tensor:
+    """Ban tokens [K] (eos before the minimum length)."""
+    banned = torch.zeros(scores.size(-1), dtype=torch.bool, device=scores.device)
+    banned[tokens] = True
+    return scores.masked_fill(banned, NEG_INF)
+
+
+def temperature(scores: Tensor, t: float) -> Tensor:
+    return scores / t
+
+
+def top_k(scores: Tensor, k: int, min_keep: int = 1) -> Tensor:
+    """Keep the k best (every token tied with the k-th too)."""
+    k = min(max(k, min_keep), scores.size(-1))
+    kth = scores.topk(k, dim=-1).values[:, -1:]  # (N, 1)
+    return scores.masked_fill(scores < kth, NEG_INF)
+
+
+def top_p(scores: Tensor, p: float, min_keep: int = 1) -> Tensor:
+    """Nucleus: keep the most likely tokens until their probability reaches p, the token that
+    crosses p included."""
+    ascending, order = scores.sort(dim=-1)
+    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and every worse one
+    drop = mass_up_to <= 1 - p  # the worse tail holding at most 1 - p
+    drop[:, -min_keep:] = False
+    return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def min_p(scores: Tensor, p: float, min_keep: int = 1) -> Tensor:
+    """Keep tokens at least p times as likely as the best one."""
+    probs = scores.softmax(dim=-1)
+    drop = probs < p * probs.amax(dim=-1, keepdim=True)
+    best = probs.topk(min(min_keep, probs.size(-1)), dim=-1).indices
+    drop.scatter_(1, best, False)
+    return scores.masked_fill(drop, NEG_INF)
+
+
+def typical_p(scores: Tensor, mass: float, min_keep: int = 1) -> Tensor:
+    """Locally typical sampling: keep the tokens whose surprise is closest to the entropy,
+    until they hold `mass` of the probability."""
+    logp = scores.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)  # (N, 1)
+    distance, order = (-logp - entropy).abs().sort(dim=-1)  # most typical first
+    cum = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=1).clamp_(max=scores.size(-1) - 1)  # (N,) index of the last one kept
+    drop = distance > distance.gather(1, last[:, None])
+    drop[:, :min_keep] = False
+    return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tensor | None = None) -> list[Processor]:
+    """The processors cfg asks for, in transformers' order.
+
+    prompt_len: ids before the first new token (min_new_tokens counts from there).
+    prompt_padding [N, prompt_len] (bool): left padding, not counted by the repetition penalty.
+    """
+    eos = torch.tensor(cfg.eos_ids, dtype=torch.long)
+    chain: list[Processor] = []
+    if cfg.repetition_penalty != 1.0:
+        def penalize(ids, s, penalty=cfg.repetition_penalty):
+            ignore = None
+            if prompt_padding is not None:
+                ignore = torch.nn.functional.pad(prompt_padding, (0, ids.size(1) - prompt_padding.size(1)))
+            return repetition_penalty(s, ids, penalty, ignore)
+        chain.append(penalize)
+    if cfg.no_repeat_ngram_size > 0:
+        chain.append(lambda ids, s, n=cfg.no_repeat_ngram_size: no_repeat_ngram(s, ids, n))
+    if cfg.bad_words_ids is not None:
+        words = [list(w) for w in cfg.bad_words_ids if not (len(w) == 1 and w[0] in cfg.eos_ids)]
+        if words:
+            chain.append(lambda ids, s: bad_words(s, ids, words))
+    if len(eos) and cfg.min_length > 0:
+        chain.append(lambda ids, s, n=cfg.min_length: suppress(s, eos.to(s.device)) if ids.size(1) < n else s)
+    if len(eos) and cfg.min_new_tokens:
+        n = prompt_len + cfg.min_new_tokens
+        chain.append(lambda ids, s: suppress(s, eos.to(s.device)) if ids.size(1) < n else s)
+    if cfg.do_sample:
+        # Beams keep at least one token besides eos, so a beam can always go on.
+        keep = len(eos) + 1 if cfg.num_beams > 1 and len(eos) else 2 if cfg.num_beams > 1 else 1
+        if cfg.temperature != 1.0:
+            chain.append(lambda ids, s, t=cfg.temperature: temperature(s, t))
+        if cfg.top_k:
+            chain.append(lambda ids, s, k=cfg.top_k: top_k(s, k, keep))
+        if cfg.top_p < 1.0:
+            chain.append(lambda ids, s, p=cfg.top_p: top_p(s, p, keep))
+        if cfg.min_p is not None:
+            chain.append(lambda ids, s, p=cfg.min_p: min_p(s, p, keep))
+        if cfg.typical_p < 1.0:
+            chain.append(lambda ids, s, m=cfg.typical_p: typical_p(s, m, keep))
+    return chain
+
+
+def apply(chain: list[Processor], ids: Tensor, scores: Tensor) -> Tensor:
+    for processor in chain:
+        scores = processor(ids, scores)
+    return scores
