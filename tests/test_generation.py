@@ -15,7 +15,7 @@ def test_greedy_matches_transformers(models):
     model, hf = models
     prompt = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(0))
     ours = model.generate(prompt, max_new_tokens=20)
-    theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    theirs = hf.generate(prompt, max_new_tokens=20)
     assert torch.equal(ours, theirs)
 
 
@@ -28,7 +28,7 @@ def test_left_padded_batch_equals_each_prompt_alone(models):
     for row, p in enumerate(prompts):
         ids[row, 6 - len(p) :], mask[row, 6 - len(p) :] = p, 1
     batch = model.generate(ids, max_new_tokens=12, attention_mask=mask)
-    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert torch.equal(batch, theirs)
     for row, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=12)
@@ -79,7 +79,7 @@ def test_repetition_penalty_matches_transformers(models):
     model, hf = models
     prompt = torch.tensor([[3, 4, 3, 4, 3]])
     ours = model.generate(prompt, max_new_tokens=15, repetition_penalty=1.8)
-    theirs = hf.generate(prompt, max_new_tokens=15, do_sample=False, repetition_penalty=1.8, pad_token_id=0, eos_token_id=None)
+    theirs = hf.generate(prompt, max_new_tokens=15, repetition_penalty=1.8)
     assert torch.equal(ours, theirs)
 
 
@@ -137,7 +137,7 @@ def test_cli_window_slides_past_the_context(models):
     model, _ = models
     n_ctx = model.config.n_positions
     prompt = [5, 6, 7]
-    got = list(continue_ids(model, prompt, 100, do_sample=False))
+    got = list(continue_ids(model, prompt, 100, do_sample=False, eos_token_id=None))
     # By hand, without a cache: when the window is full it restarts from its last 32 tokens.
     ids, start = list(prompt), 0
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_cli_window_slides_past_the_context(models):
 
     long_prompt = [i % 97 for i in range(80)]  # longer than the context: its last 63 tokens are used
     expected = model.generate(torch.tensor([long_prompt[-(n_ctx - 1) :]]), max_new_tokens=1)[0, -1]
-    assert list(continue_ids(model, long_prompt, 1, do_sample=False)) == [int(expected)]
+    assert list(continue_ids(model, long_prompt, 1, do_sample=False, eos_token_id=None)) == [int(expected)]
 
 
 def test_cli_takes_a_hub_name_from_the_cache(tmp_path, monkeypatch, capsys, models):
