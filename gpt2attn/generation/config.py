@@ -19,7 +19,7 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 @dataclass
 class GenerationConfig:
     # length
-    max_length: int = 20  # prompt + new tokens
+    max_length: int | None = None  # prompt + new tokens; unset: 20 new tokens
     max_new_tokens: int | None = None  # wins over max_length when set
     min_length: int = 0
     min_new_tokens: int | None = None
@@ -115,7 +115,7 @@ class GenerationConfig:
         _int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1)
         if self.max_new_tokens is not None:
             _int_at_least("max_new_tokens", self.max_new_tokens, 1)
-        else:
+        if self.max_length is not None:
             _int_at_least("max_length", self.max_length, 1)
         if self.min_new_tokens is not None:
             _int_at_least("min_new_tokens", self.min_new_tokens, 0)

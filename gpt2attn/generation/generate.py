@@ -195,8 +195,12 @@ class _Prompt:
                                  f"{tuple(token_types.shape) if isinstance(token_types, Tensor) else token_types!r}")
             token_types = token_types[:, past_len:] if embeds is None else token_types
 
-        n_new = (cfg.max_new_tokens if cfg.max_new_tokens is not None
-                 else cfg.max_length - (ids.size(1) if embeds is None else n_fed))
+        if cfg.max_new_tokens is not None:
+            n_new = cfg.max_new_tokens
+        elif cfg.max_length is not None:
+            n_new = cfg.max_length - (ids.size(1) if embeds is None else n_fed)
+        else:
+            n_new = 20  # transformers' default when neither is set
         if n_new < 1:
             raise ValueError(f"max_length={cfg.max_length} leaves no room after the prompt of "
                              f"{ids.size(1) if embeds is None else n_fed} tokens: set max_new_tokens")

@@ -1,0 +1,155 @@
+"""generate() token for token against transformers.generate on the same weights: beam search
+variants, every filter, scores; single prompts and left-padded batches; the shipped char model."""
+
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel
+from gpt2attn.generation import DEFAULT_MODEL_DIR
+from helpers import hf_twin, randomize, tiny_config
+
+# A random model whose greedy rows are not one repeated token (std 0.5 spreads the logits).
+EOS = 25  # a token this model emits often, so eos handling is exercised
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1, std=0.5).eval()
+    return model, hf_twin(model).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    single = (torch.randint(1, 97, (1, 6), generator=g), None)
+    lengths = (6, 3, 1)
+    ids = torch.zeros(3, 6, dtype=torch.long)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, 6 - n :], mask[row, 6 - n :] = torch.randint(1, 97, (n,), generator=g), 1
+    return {"single": single, "left-padded": (ids, mask)}
+
+
+def _close(ours, theirs, tol=1e-5):
+    """Scores equal within tol relative to their size (log-probabilities here reach -40, where
+    one float32 step is 4e-6), -inf exactly where transformers has -inf."""
+    if isinstance(ours, torch.Tensor):
+        ours, theirs = (ours,), (theirs,)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        finite = torch.isfinite(b)
+        assert ((a[finite] - b[finite]).abs() <= tol * b[finite].abs().clamp(min=1)).all()
+
+
+BEAMS = {
+    "4 beams": dict(num_beams=4),
+    "length_penalty 0.5, early_stopping": dict(num_beams=4, length_penalty=0.5, early_stopping=True, eos_token_id=EOS),
+    "length_penalty 2, never": dict(num_beams=3, length_penalty=2.0, early_stopping="never", eos_token_id=EOS),
+    "length_penalty -1, False": dict(num_beams=3, length_penalty=-1.0, early_stopping=False, eos_token_id=EOS),
+    "no_repeat_ngram 2": dict(num_beams=4, no_repeat_ngram_size=2, early_stopping=True),
+    "bad_words": dict(num_beams=4, bad_words_ids=[[13], [65, 25], [28, 62]]),
+    "min_new_tokens": dict(num_beams=4, min_new_tokens=6, eos_token_id=EOS),
+    "eos list": dict(num_beams=3, eos_token_id=[EOS, 13, 62]),
+    "num_return_sequences": dict(num_beams=4, num_return_sequences=3, eos_token_id=EOS),
+    "repetition_penalty": dict(num_beams=3, repetition_penalty=1.5),
+}
+
+
+@pytest.mark.parametrize("prompt", ["single", "left-padded"])
+@pytest.mark.parametrize("name", list(BEAMS))
+def test_beam_search_equals_transformers(models, name, prompt):
+    model, hf = models
+    ids, mask = _prompts()[prompt]
+    kw = dict(BEAMS[name], max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ours = model.generate(ids, attention_mask=mask, **kw)
+    theirs = hf.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert torch.equal(ours.beam_indices.long(), theirs.beam_indices.long())
+    _close(ours.sequences_scores, theirs.sequences_scores)
+    _close(ours.scores, theirs.scores)
+    _close(ours.logits, theirs.logits)
+
+
+SAMPLING = {
+    "temperature": dict(temperature=0.7, top_k=0),
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.8, top_k=0),
+    "min_p": dict(min_p=0.1, top_k=0),
+    "typical_p": dict(typical_p=0.7, top_k=0),
+    "all warpers": dict(temperature=1.3, top_k=20, top_p=0.9, min_p=0.02, typical_p=0.95),
+    "penalties": dict(repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[13], [28, 65]], min_length=12),
+    "beam sample": dict(num_beams=3, top_k=10, top_p=0.9, eos_token_id=EOS),
+    "num_return_sequences": dict(num_return_sequences=3, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("prompt", ["single", "left-padded"])
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_sampling_equals_transformers_on_the_same_random_stream(models, name, prompt):
+    """Both draw with torch.multinomial from the global generator: same seed, same tokens."""
+    model, hf = models
+    ids, mask = _prompts()[prompt]
+    kw = dict(SAMPLING[name], do_sample=True, max_new_tokens=12, return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(7)
+    ours = model.generate(ids, attention_mask=mask, **kw)
+    torch.manual_seed(7)
+    theirs = hf.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    _close(ours.scores, theirs.scores)
+
+
+@pytest.mark.parametrize("prompt", ["single", "left-padded"])
+def test_greedy_scores_and_eos_list_equal_transformers(models, prompt):
+    model, hf = models
+    ids, mask = _prompts()[prompt]
+    kw = dict(max_new_tokens=15, eos_token_id=[EOS, 62], min_new_tokens=2, return_dict_in_generate=True,
+              output_scores=True, output_logits=True)
+    ours, theirs = model.generate(ids, attention_mask=mask, **kw), hf.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    _close(ours.scores, theirs.scores)
+    _close(ours.logits, theirs.logits)
+    assert ours.past_key_values.get_seq_length() == theirs.past_key_values.get_seq_length()
+
+
+def test_max_length_and_config_eos_default_as_transformers(models):
+    model, hf = models
+    ids = _prompts()["single"][0]
+    assert model.generation_config.eos_token_id == 0  # from the config, as transformers reads it
+    for kw in (dict(), dict(max_length=11), dict(eos_token_id=EOS, max_length=30)):
+        assert torch.equal(model.generate(ids, **kw), hf.generate(ids, **kw)), kw
+
+
+def test_token_type_ids_inputs_embeds_and_a_given_cache_equal_transformers(models):
+    model, hf = models
+    ids = _prompts()["single"][0]
+    types = torch.tensor([[3, 3, 3, 4, 4, 5]])
+    kw = dict(max_new_tokens=10, eos_token_id=None)
+    assert torch.equal(model.generate(ids, token_type_ids=types, **kw), hf.generate(ids, token_type_ids=types, **kw))
+
+    embeds = model.transformer.wte(ids).detach()
+    ours = model.generate(inputs_embeds=embeds, **kw)
+    assert torch.equal(ours, hf.generate(inputs_embeds=embeds, **kw))
+    assert ours.shape == (1, 10)  # only the new tokens, as transformers returns them
+
+    past = model(ids[:, :4]).past_key_values
+    continued = model.generate(ids, past_key_values=past, **kw)
+    assert torch.equal(continued, model.generate(ids, **kw))
+    hf_past = hf(ids[:, :4], use_cache=True).past_key_values
+    assert torch.equal(continued, hf.generate(ids, past_key_values=hf_past, **kw))
+
+
+def test_shipped_char_model_greedy_and_beams_equal_transformers():
+    from gpt2attn.tokenizer import load_tokenizer
+
+    model = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR).eval()
+    hf = hf_twin(model).eval()
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    ids = torch.tensor([tok.encode("ROMEO:\nWhat say").ids])
+    for kw in (dict(), dict(num_beams=4, no_repeat_ngram_size=3), dict(num_beams=3, length_penalty=0.6, num_return_sequences=2)):
+        kw = dict(kw, max_new_tokens=30, return_dict_in_generate=True, output_scores=True)
+        ours, theirs = model.generate(ids, **kw), hf.generate(ids, **kw)
+        assert torch.equal(ours.sequences, theirs.sequences), kw
+        _close(ours.scores, theirs.scores)
+        if "num_beams" in kw:
+            _close(ours.sequences_scores, theirs.sequences_scores)
+    assert len(set(tok.decode(ours.sequences[0, ids.size(1):].tolist()))) > 5  # real text, not one character
