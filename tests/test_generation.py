@@ -170,3 +170,98 @@ def test_cli_takes_a_hub_name_from_the_cache(tmp_path, monkeypatch, capsys, mode
     assert main(["generate", "--model", "someone/tiny-gpt2", "--greedy", "--max-new-tokens", "5", "hello"]) == 0
     expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=5)
     assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
+
+
+def _count_forwards(model):
+    """A list that grows by one each time model.transformer runs."""
+    calls = []
+    model.transformer.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_assisted_decoding_equals_greedy_with_several_tokens_per_forward(models):
+    model, _ = models
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    greedy = model.generate(prompt, max_new_tokens=30, eos_token_id=None)
+    verifier = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1).eval()  # same weights as model
+    verifier.load_state_dict(model.state_dict())
+    calls = _count_forwards(verifier)
+
+    # An assistant that always agrees (the model itself): 1 prompt pass, then 6 tokens per forward.
+    out = verifier.generate(prompt, max_new_tokens=30, eos_token_id=None, assistant_model=model, num_assistant_tokens=5)
+    assert torch.equal(out, greedy)
+    assert len(calls) == 1 + 5  # 30 tokens: 1 from the prompt pass, then 5 forwards of (5 drafts + 1)
+
+    # A smaller, different assistant (1 layer): drafts are often wrong, the output is still greedy's.
+    small = randomize(GPT2LMHeadModel(tiny_config(n_positions=64, n_layer=1)), seed=5).eval()
+    assert torch.equal(verifier.generate(prompt, max_new_tokens=30, eos_token_id=None, assistant_model=small), greedy)
+
+    # Prompt lookup on text that repeats itself (this model falls into loops).
+    looping = greedy[:, :30]
+    calls.clear()
+    out = verifier.generate(looping, max_new_tokens=30, eos_token_id=None, prompt_lookup_num_tokens=4)
+    assert torch.equal(out, model.generate(looping, max_new_tokens=30, eos_token_id=None))
+    assert len(calls) < 30 / 2  # more than two tokens per forward on average
+
+
+def test_assisted_decoding_stops_at_eos_like_greedy(models):
+    model, _ = models
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None)
+    eos = int(free[0, 12])
+    expected = model.generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, eos_token_id=eos, assistant_model=model), expected)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, eos_token_id=eos, prompt_lookup_num_tokens=3), expected)
+
+
+def test_generation_config_from_config_file_and_keywords(tmp_path, models):
+    """Defaults: generation_config.json when saved, else the config's special tokens; keywords win."""
+    import transformers
+
+    model, _ = models
+    m = GPT2LMHeadModel(tiny_config(n_positions=64, eos_token_id=7, bos_token_id=3))
+    assert (m.generation_config.eos_token_id, m.generation_config.bos_token_id) == (7, 3)
+    m.generation_config = m.generation_config.update(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=9)
+    m.save_pretrained(tmp_path)
+    theirs = transformers.GenerationConfig.from_pretrained(tmp_path)  # transformers reads our file
+    assert (theirs.num_beams, theirs.no_repeat_ngram_size, theirs.max_new_tokens, theirs.eos_token_id) == (3, 2, 9, 7)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert loaded.generation_config == m.generation_config
+    prompt = torch.tensor([[5, 6, 7]])
+    assert torch.equal(loaded.generate(prompt), loaded.generate(prompt, num_beams=3, no_repeat_ngram_size=2, max_new_tokens=9))
+    assert loaded.generate(prompt, max_new_tokens=4, eos_token_id=None).shape == (1, 7)
+
+
+def test_stop_strings_end_the_text(models):
+    from gpt2attn.tokenizer import char_tokenizer
+
+    model, _ = models
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))
+    prompt = torch.tensor([[5, 6, 7]])
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None)
+    stop = tokenizer.decode(free[0, 8:10].tolist())  # two characters the model writes at new tokens 5-6
+    out = model.generate(prompt, max_new_tokens=20, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer)
+    text = tokenizer.decode(out[0].tolist())
+    assert text.endswith(stop) and text.count(stop) == 1 and torch.equal(out[0], free[0, : out.size(1)])
+
+
+def test_cli_samples_differ_and_beams_run(tmp_path, capsys, models):
+    """Each --num-samples continuation has its own seed; --num-beams gives beam search's text."""
+    from gpt2attn.cli import main
+    from gpt2attn.tokenizer import char_tokenizer
+
+    model, _ = models
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))
+    model.save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    args = ["generate", "--model", str(tmp_path), "--max-new-tokens", "20", "--top-k", "0", "--seed", "1", "hello"]
+    assert main(args + ["--num-samples", "3"]) == 0
+    samples = capsys.readouterr().out.split("\n---------------\n")
+    assert len(samples) == 3 and len(set(samples)) == 3
+    assert main(args + ["--greedy", "--num-beams", "3", "--no-repeat-ngram-size", "2"]) == 0
+    expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=20, num_beams=3,
+                              no_repeat_ngram_size=2, do_sample=False)
+    assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
+    assert main(args + ["--greedy", "--prompt-lookup", "3"]) == 0
+    expected = model.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=20)
+    assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"

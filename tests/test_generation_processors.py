@@ -1,0 +1,91 @@
+"""Each logits processor equals transformers' on hand-made logits (1e-6): a nucleus of several
+tokens, ties at the top-k boundary, penalties on seen tokens; and the chain's order."""
+
+import pytest
+import torch
+from transformers.generation import logits_process as hf
+
+from gpt2attn.generation import GenerationConfig
+from gpt2attn.generation import processors as ours
+
+# Row 0: probabilities ~ .35 .25 .15 .10 .08 ...: top_p=0.7 keeps three, 0.75 four (the boundary
+# token included). Row 1: three tokens tied at the 2nd-best value (top_k=2 keeps all four).
+LOGITS = torch.tensor([
+    [2.0, 1.66, 1.15, 0.75, 0.53, 0.1, -0.4, -1.0, -3.0, -5.0],
+    [3.0, 1.0, 1.0, 1.0, 0.5, 0.2, -0.1, -0.5, -2.0, -2.5],
+    [0.3, 0.2, 0.25, 0.1, 0.0, 0.15, 0.05, -0.05, 0.12, 0.22],
+])
+IDS = torch.tensor([[1, 4, 1, 7], [0, 0, 2, 3], [9, 8, 9, 8]])
+
+
+def _same(a, b):
+    assert torch.equal(torch.isinf(a), torch.isinf(b)), (a, b)
+    finite = torch.isfinite(b)
+    assert (a[finite] - b[finite]).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k(k):
+    _same(ours.top_k(LOGITS, k), hf.TopKLogitsWarper(k)(IDS, LOGITS))
+    kept = torch.isfinite(ours.top_k(LOGITS, k))
+    assert kept[0].sum() == k  # no ties in row 0: exactly k
+    if k == 2:
+        assert kept[1].sum() == 4  # the best, and the three tied for second
+
+
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.7, 0.75, 0.9, 0.99])
+def test_top_p(p):
+    _same(ours.top_p(LOGITS, p), hf.TopPLogitsWarper(p)(IDS, LOGITS))
+    assert torch.isfinite(ours.top_p(LOGITS, 0.75))[0].sum() == 4  # nucleus of several, boundary kept
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.6])
+def test_min_p(p):
+    _same(ours.min_p(LOGITS, p), hf.MinPLogitsWarper(p)(IDS, LOGITS))
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9])
+def test_typical_p(mass):
+    _same(ours.typical_p(LOGITS, mass), hf.TypicalLogitsWarper(mass)(IDS, LOGITS))
+
+
+@pytest.mark.parametrize("keep", [2, 3])
+def test_min_tokens_to_keep_for_beams(keep):
+    _same(ours.top_p(LOGITS, 0.1, keep), hf.TopPLogitsWarper(0.1, min_tokens_to_keep=keep)(IDS, LOGITS))
+    _same(ours.min_p(LOGITS, 0.9, keep), hf.MinPLogitsWarper(0.9, min_tokens_to_keep=keep)(IDS, LOGITS))
+    _same(ours.typical_p(LOGITS, 0.1, keep), hf.TypicalLogitsWarper(0.1, min_tokens_to_keep=keep)(IDS, LOGITS))
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.5])
+def test_repetition_penalty(penalty):
+    _same(ours.repetition_penalty(LOGITS, IDS, penalty), hf.RepetitionPenaltyLogitsProcessor(penalty)(IDS, LOGITS.clone()))
+    ignore = torch.tensor([[True, False, False, False], [True, True, False, False], [False] * 4])
+    expected = hf.RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=torch.tensor([1, 2, 0]))(IDS, LOGITS.clone())
+    _same(ours.repetition_penalty(LOGITS, IDS, penalty, ignore), expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_no_repeat_ngram(n):
+    ids = torch.tensor([[1, 2, 3, 1, 2], [4, 4, 4, 4, 5], [1, 2, 1, 2, 1]])
+    _same(ours.no_repeat_ngram(LOGITS, ids, n), hf.NoRepeatNGramLogitsProcessor(n)(ids, LOGITS.clone()))
+
+
+def test_bad_words_and_min_length():
+    words = [[5], [2, 3], [4, 1, 7], [9, 8, 0]]
+    eos = torch.tensor([6])
+    _same(ours.bad_words(LOGITS, IDS, words), hf.NoBadWordsLogitsProcessor(words, eos)(IDS, LOGITS))
+    _same(ours.suppress(LOGITS, torch.tensor([6, 2])),
+          hf.MinLengthLogitsProcessor(10, torch.tensor([6, 2]))(IDS, LOGITS))
+
+
+def test_temperature_comes_before_the_filters():
+    """transformers' order: temperature, top-k, top-p, min-p, typical (tempering changes what top-p keeps)."""
+    cfg = GenerationConfig(do_sample=True, temperature=0.5, top_k=6, top_p=0.8, min_p=0.05, typical_p=0.95)
+    chain = ours.build_processors(cfg, prompt_len=4, vocab_size=10)
+    expected = LOGITS
+    for warper in (hf.TemperatureLogitsWarper(0.5), hf.TopKLogitsWarper(6), hf.TopPLogitsWarper(0.8),
+                   hf.MinPLogitsWarper(0.05), hf.TypicalLogitsWarper(0.95)):
+        expected = warper(IDS, expected)
+    _same(ours.apply(chain, IDS, LOGITS), expected)
+    tempered_after = ours.temperature(ours.top_p(ours.top_k(LOGITS, 6), 0.8), 0.5)
+    assert not torch.equal(torch.isinf(tempered_after), torch.isinf(expected))  # the order shows
