@@ -17,19 +17,16 @@ import torch
 from torch import Tensor
 
 from ..cache import KVCache
+from ..outputs import ModelOutput
 from .config import GenerationConfig
 from .decoder import Decoder
 from .processors import build_processors
 from .search import beam_search, sample_search
 
-try:  # the lead's ModelOutput base class (attribute, key and index access), once it lands
-    from ..outputs import ModelOutput
-except ImportError:  # pragma: no cover
-    ModelOutput = object
-
-
 @dataclass
 class GenerateDecoderOnlyOutput(ModelOutput):
+    """Greedy / sampling with return_dict_in_generate=True, as transformers'."""
+
     sequences: Tensor
     scores: tuple[Tensor, ...] | None = None  # per step (N, V), after the processors
     logits: tuple[Tensor, ...] | None = None  # per step (N, V), raw
@@ -38,6 +35,8 @@ class GenerateDecoderOnlyOutput(ModelOutput):
 
 @dataclass
 class GenerateBeamDecoderOnlyOutput(ModelOutput):
+    """Beam search with return_dict_in_generate=True, as transformers'."""
+
     sequences: Tensor
     sequences_scores: Tensor | None = None  # (B * num_return_sequences,), length-penalised log-probabilities
     scores: tuple[Tensor, ...] | None = None  # per step (B * num_beams, V): processed log-probabilities
