@@ -1,6 +1,11 @@
-"""Greedy decoding of gpt2-small (124M, random weights), ours vs transformers.generate, one process.
+"""Decoding gpt2-small (124M, random weights), ours vs transformers.generate, one process.
 
-    python scripts/bench.py generate [--prompt 32] [--new 128] [--batch 8] [--repeats 3]
+    python scripts/bench.py generate [--prompt 32] [--new 128] [--batch 8] [--repeats 3] [--only greedy,beam,assisted]
+
+greedy: batch 1 and --batch. beam: 4 beams at batch 1 vs transformers' beam search and vs our
+own greedy at batch 4 (the same rows per step). assisted: greedy with prompt lookup (on a prompt
+that repeats itself) and with a 2-layer assistant (gpt2-small's first two blocks and its head),
+ours vs transformers', with tokens per forward of the big model (1 means no draft was accepted).
 
 fp32, eval. Prints tokens/s at batch 1 and at --batch, the ratio ours/transformers (above 1 means
 ours is faster), and the memory-bandwidth floor: one matrix-vector product over a buffer the
@@ -32,7 +37,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="greedy,beam,assisted", help="comma-separated: greedy, beam, assisted")
     args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
 
     torch.manual_seed(0)
     cfg = GPT2Config.from_preset("gpt2")
@@ -44,15 +51,21 @@ def main(argv: list[str]) -> int:
     floor = bandwidth_floor_tokens_per_s(ours.num_parameters(), cfg.n_embd)
     print(f"bandwidth floor (mat-vec over {ours.num_parameters() / 1e6:.0f}M fp32 weights): {floor:.1f} tokens/s")
 
+    if "beam" in parts:
+        bench_beam(ours, theirs, args)
+    if "assisted" in parts:
+        bench_assisted(ours, theirs, args)
+    if "greedy" not in parts:
+        return 0
     for batch in (1, args.batch):
         prompt = torch.randint(0, cfg.vocab_size, (batch, args.prompt))
         with torch.inference_mode():
-            a = ours.generate(prompt, max_new_tokens=args.new)
+            a = ours.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
             b = theirs.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)
             same = torch.equal(a, b)
             times = interleaved_medians(
                 {
-                    "ours": lambda: ours.generate(prompt, max_new_tokens=args.new),
+                    "ours": lambda: ours.generate(prompt, max_new_tokens=args.new, eos_token_id=None),
                     "transformers": lambda: theirs.generate(
                         prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None
                     ),
@@ -69,3 +82,73 @@ def main(argv: list[str]) -> int:
             line += f", {100 * rate['ours'] / floor:.0f}% of the floor"
         print(line + f"; same tokens: {same}")
     return 0
+
+
+def bench_beam(ours, theirs, args) -> None:
+    """4 beams, batch 1: steps/s of ours, transformers', and our greedy at batch 4 (same rows per step)."""
+    prompt = torch.randint(0, ours.config.vocab_size, (1, args.prompt))
+    beam = dict(max_new_tokens=args.new, num_beams=4, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        same = torch.equal(ours.generate(prompt, **beam), theirs.generate(prompt, **beam))
+        greedy4 = prompt.expand(4, -1).contiguous()
+        times = interleaved_medians(
+            {
+                "ours beam": lambda: ours.generate(prompt, **beam),
+                "transformers beam": lambda: theirs.generate(prompt, **beam),
+                "ours greedy B=4": lambda: ours.generate(greedy4, max_new_tokens=args.new, eos_token_id=None),
+            },
+            repeats=args.repeats,
+            warmup=1,
+        )
+    rate = {name: args.new / t for name, t in times.items()}
+    print(
+        f"beam search, 4 beams, prompt {args.prompt}, {args.new} new: ours {rate['ours beam']:.1f} steps/s, "
+        f"transformers {rate['transformers beam']:.1f} steps/s ({rate['ours beam'] / rate['transformers beam']:.2f}x), "
+        f"our greedy B=4 {rate['ours greedy B=4']:.1f} steps/s (beam/greedy {rate['ours beam'] / rate['ours greedy B=4']:.3f}); "
+        f"same tokens: {same}"
+    )
+
+
+def bench_assisted(ours, theirs, args) -> None:
+    """Assisted greedy decoding, batch 1: tokens/s and tokens per big-model forward, ours vs transformers."""
+    small = GPT2LMHeadModel(GPT2Config.from_dict({**ours.config.to_dict(), "n_layer": 2})).eval()
+    small.load_state_dict({k: v for k, v in ours.state_dict().items() if k in small.state_dict()})
+    small_hf = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(small.config.to_dict())).eval()
+    small_hf.load_state_dict(small.state_dict())
+    g = torch.Generator().manual_seed(1)
+    block = torch.randint(0, ours.config.vocab_size, (args.prompt // 4,), generator=g)
+    prompt = block.repeat(4)[None]  # a prompt that repeats itself
+    plain = dict(max_new_tokens=args.new, eos_token_id=None, pad_token_id=0)
+    runs = {
+        "greedy": ({}, {}),
+        "prompt lookup 10": (dict(prompt_lookup_num_tokens=10), dict(prompt_lookup_num_tokens=10)),
+        "assistant (2 layers)": (dict(assistant_model=small), dict(assistant_model=small_hf)),
+    }
+    forwards = []
+    hooks = [m.transformer.register_forward_hook(lambda *_: forwards.append(1)) for m in (ours, theirs)]
+    with torch.inference_mode():
+        reference = ours.generate(prompt, **plain)
+        for name, (kw_ours, kw_theirs) in runs.items():
+            per_forward = {}
+            for lib, model, kw in (("ours", ours, kw_ours), ("transformers", theirs, kw_theirs)):
+                forwards.clear()
+                out = model.generate(prompt, **plain, **kw)
+                per_forward[lib] = (out.size(1) - prompt.size(1)) / len(forwards)
+                assert torch.equal(out, reference), f"{lib} {name} differs from greedy"
+            times = interleaved_medians(
+                {
+                    "ours": lambda kw=kw_ours: ours.generate(prompt, **plain, **kw),
+                    "transformers": lambda kw=kw_theirs: theirs.generate(prompt, **plain, **kw),
+                },
+                repeats=args.repeats,
+                warmup=1,
+            )
+            rate = {lib: args.new / t for lib, t in times.items()}
+            print(
+                f"{name}, batch 1, prompt {prompt.size(1)}, {args.new} new: ours {rate['ours']:.1f} tok/s "
+                f"({per_forward['ours']:.2f} tokens/forward), transformers {rate['transformers']:.1f} tok/s "
+                f"({per_forward['transformers']:.2f} tokens/forward), ratio {rate['ours'] / rate['transformers']:.2f}x; "
+                "same tokens as greedy: True"
+            )
+    for hook in hooks:
+        hook.remove()
