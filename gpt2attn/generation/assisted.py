@@ -46,6 +46,8 @@ def draft_from_assistant(assistant, out: Tensor, capacity: int) -> Draft:
     @torch.no_grad()
     def draft(ids: Tensor, k: int) -> Tensor:
         L = ids.size(1)
+        if k == 0:
+            return ids[0, :0]
         dec.rollback(min(dec.length, L - 1))  # forget drafts the model rejected
         logits = dec.forward(ids[:, dec.length :])
         tokens = []
