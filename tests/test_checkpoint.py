@@ -32,7 +32,7 @@ def test_transformers_opens_our_folder(tmp_path):
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]  # as transformers writes
     stored = load_file(tmp_path / "model.safetensors")  # the reference reader accepts our writer
     assert "lm_head.weight" not in stored  # tied: stored once, as HF does
     assert torch.equal(stored["transformer.h.1.attn.c_attn.weight"], model.transformer.h[1].attn.c_attn.weight)
@@ -92,7 +92,7 @@ def test_resave_with_fewer_files_removes_old_shards(tmp_path):
     model = lm()
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     model.save_pretrained(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]  # as transformers writes
 
 
 @torch.no_grad()
@@ -205,7 +205,7 @@ def test_resave_keeps_other_files_and_leaves_no_temporaries(tmp_path):
     (tmp_path / "m" / "notes" / "README.md").write_text("mine")
     lm(seed=3).save_pretrained(tmp_path / "m")
     assert sorted(os.listdir(tmp_path)) == ["m"]  # the old folder and the temporary one are gone
-    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors", "notes", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "generation_config.json", "model.safetensors", "notes", "tokenizer.json"]
     assert (tmp_path / "m" / "notes" / "README.md").read_text() == "mine"
 
 
