@@ -15,7 +15,7 @@ EOS = 25  # a token this model emits often, so eos handling is exercised
 @pytest.fixture(scope="module")
 def models():
     model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1, std=0.5).eval()
-    return model, hf_twin(model).eval()
+    return model, hf_twin(model, "sdpa").eval()  # transformers' default attention, as a user runs it
 
 
 def _prompts():
@@ -142,7 +142,7 @@ def test_shipped_char_model_greedy_and_beams_equal_transformers():
     from gpt2attn.tokenizer import load_tokenizer
 
     model = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR).eval()
-    hf = hf_twin(model).eval()
+    hf = hf_twin(model, "sdpa").eval()
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     ids = torch.tensor([tok.encode("ROMEO:\nWhat say").ids])
     for kw in (dict(), dict(num_beams=4, no_repeat_ngram_size=3), dict(num_beams=3, length_penalty=0.6, num_return_sequences=2)):

@@ -163,7 +163,7 @@ class _Prompt:
         if past is not None:
             from ..model import _as_cache
 
-            past_cache = _as_cache(past, mcfg.n_layer)
+            past_cache = _as_cache(past, mcfg, model.dtype)  # checked as the forward pass checks it
         past_len = past_cache.length if past_cache is not None else 0
         if past_cache is not None and past_cache.batch_size != B:
             raise ValueError(f"past_key_values hold batch size {past_cache.batch_size}, the prompt has {B}")
