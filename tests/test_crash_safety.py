@@ -333,7 +333,7 @@ def test_convert_into_a_folder_holding_a_model_needs_overwrite(tmp_path, capsys)
     assert sorted(os.listdir(dst)) == before and loads_as(dst, models) == "old"
     assert cli_main(["convert", str(src), str(dst), "--overwrite"]) == 0
     assert loads_as(dst, models) == "new"
-    assert sorted(os.listdir(dst)) == ["README.md", "config.json", "model.safetensors"]  # no old tokenizer.json
+    assert sorted(os.listdir(dst)) == ["README.md", "config.json", "generation_config.json", "model.safetensors"]  # no old tokenizer.json
     assert leftovers(dst) == ["src"]
 
 
