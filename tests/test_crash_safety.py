@@ -343,7 +343,7 @@ def test_convert_refusal_message_and_a_file_as_destination(tmp_path, capsys):
     model.save_pretrained(tmp_path / "dst")
     assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
     err = capsys.readouterr().err
-    assert f"gpt2attn convert: error: {tmp_path / 'dst'} already holds a model (config.json, model.safetensors)" in err
+    assert f"gpt2attn convert: error: {tmp_path / 'dst'} already holds a model (config.json, generation_config.json, model.safetensors)" in err
     assert "pass --overwrite" in err
     (tmp_path / "file").write_text("x")
     assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "file")]) == 2
