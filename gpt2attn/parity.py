@@ -100,7 +100,7 @@ def compare(ours, reference, input_ids: Tensor, tol: float | None = None, hf_sou
         raise ValueError(f"the tolerance must be > 0, got {tol}")
 
     def outputs(model):  # embedding, each block (the last after ln_f), logits; attentions beside them
-        out = model(input_ids, output_hidden_states=True, output_attentions=True)
+        out = model(input_ids, output_hidden_states=True, output_attentions=True, return_dict=True)
         return [*out.hidden_states, out.logits], [None, *out.attentions, None]
 
     (a, a_attn), (b, b_attn) = outputs(ours), outputs(reference)

@@ -330,3 +330,24 @@ def test_prepare_inputs_for_generation_uses_inputs_embeds_first(twins):
     cache = ours(inputs_embeds=embeds).past_key_values
     later = ours.prepare_inputs_for_generation(torch.tensor([[4, 5, 6, 7]]), past_key_values=cache, inputs_embeds=embeds)
     assert torch.equal(later["input_ids"], torch.tensor([[7]])) and "inputs_embeds" not in later
+
+
+def test_library_code_reads_outputs_whatever_config_return_dict_says():
+    """generate, the parity report and the exported modules ask for outputs by name, so a config
+    saved with return_dict=False (transformers allows it) changes only what users' calls get."""
+    from gpt2attn.interop.export import DecodeStep, Prefill
+    from gpt2attn.parity import compare
+
+    model = randomize(GPT2LMHeadModel(tiny_config())).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    prefill = Prefill(model)(ids)
+    twin = hf_twin(model)  # built before the flag: transformers 5's own GPT-2 fails with it
+    model.config.return_dict = False
+    assert isinstance(model(ids), tuple)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+    got = Prefill(model)(ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, prefill))
+    step = DecodeStep(model)(ids[:, :1], *got[1:])
+    assert step[0].shape == (1, 1, model.config.vocab_size)
+    assert compare(model, twin, ids).passed

@@ -31,7 +31,7 @@ class Forward(nn.Module):
         self.model = model
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids, use_cache=False).logits
+        return self.model(input_ids, use_cache=False, return_dict=True).logits
 
 
 class Prefill(nn.Module):
@@ -42,7 +42,7 @@ class Prefill(nn.Module):
         self.model = model
 
     def forward(self, input_ids: Tensor) -> tuple[Tensor, ...]:
-        out = self.model(input_ids, use_cache=True)
+        out = self.model(input_ids, use_cache=True, return_dict=True)
         return (out.logits, *_flatten(out.past_key_values))
 
 
@@ -55,7 +55,7 @@ class DecodeStep(nn.Module):
 
     def forward(self, input_ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         pairs = tuple(zip(past[0::2], past[1::2]))  # ((key, value), ...) per layer
-        out = self.model(input_ids, past_key_values=pairs, use_cache=True)
+        out = self.model(input_ids, past_key_values=pairs, use_cache=True, return_dict=True)
         return (out.logits, *_flatten(out.past_key_values))
 
 

@@ -122,7 +122,7 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
 
     def loss_of(x: Tensor, y: Tensor) -> Tensor:
         with autocast:
-            logits = model(x.to(device), use_cache=False).logits  # (B, T, V)
+            logits = model(x.to(device), use_cache=False, return_dict=True).logits  # (B, T, V)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).reshape(-1))
 
     @torch.no_grad()
