@@ -20,6 +20,8 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--greedy", action="store_true", help="take the most likely token instead of sampling")
+    parser.add_argument("--quantize", choices=["int8", "bf16"], default=None,
+                        help="int8: quantized matrix products for faster CPU decoding (see gpt2attn.quantize)")
 
 
 def run(args) -> int:
@@ -36,7 +38,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(folder)
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = GPT2LMHeadModel.from_pretrained(folder, quantize=args.quantize).eval()
     prompt_ids = encode(tokenizer, args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
