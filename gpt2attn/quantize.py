@@ -13,7 +13,7 @@ are int8, one scale per output channel, packed once for the CPU; each call quant
 to 8 bits with one scale and zero point for the whole input (7 bits with `reduce_range`, so AVX2's
 int16 pair sums cannot saturate), multiplies in int32 and returns fp32 with the bias added.
 Both kinds the issue names were measured per layer shape of gpt2-small on this project's AVX2
-CPU (`python scripts/bench.py quantize --layers`): the dynamic kernel is 2-4x faster than fp32 at
+CPU (`python scripts/bench.py generate --quantize int8 --layers`): the dynamic kernel is 2-4x faster than fp32 at
 batch 1 and 8 and about 2x at 512 rows, for every shape but the 768x768 projection at batch 1,
 where it ties; the weight-only kernels (torch's `_weight_int8pack_mm`, torchao's
 `Int8WeightOnlyConfig`, and torchao's own dynamic `Int8DynamicActivationInt8WeightConfig`) were
