@@ -1,9 +1,10 @@
-"""int8 decoding on the CPU, and a check for bf16 before it runs 40x slower.
+"""int8 decoding on the CPU, and a check for bf16 before it runs tens of times slower.
 
     model = GPT2LMHeadModel.from_pretrained(src, quantize="int8")   # or model.quantize("int8")
 
 `quantize(model, "int8")` replaces, in place, every `Conv1D` (attn.c_attn, attn.c_proj, mlp.c_fc,
-mlp.c_proj) by an `Int8Conv1D` and the `lm_head` by an `Int8Linear`, under the same names: the
+mlp.c_proj) by an `Int8Conv1D` and the `lm_head` by an `Int8Linear` (`Int8TiedLinear` when it
+shares the token embedding), under the same names: the
 model stays a gpt2attn model, so generate, the KV cache and the inspect taps (which live on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms, attention itself
 and the residual stream stay fp32.
@@ -12,13 +13,15 @@ The kernel, for every layer: fbgemm's dynamic int8 linear (`quantized::linear_dy
 are int8, one scale per output channel, packed once for the CPU; each call quantizes its input
 to 8 bits with one scale and zero point for the whole input (7 bits with `reduce_range`, so AVX2's
 int16 pair sums cannot saturate), multiplies in int32 and returns fp32 with the bias added.
-Both kinds the issue names were measured per layer shape of gpt2-small on this project's AVX2
-CPU (`python scripts/bench.py generate --quantize int8 --layers`): the dynamic kernel is 2-4x faster than fp32 at
-batch 1 and 8 and about 2x at 512 rows, for every shape but the 768x768 projection at batch 1,
-where it ties; the weight-only kernels (torch's `_weight_int8pack_mm`, torchao's
-`Int8WeightOnlyConfig`, and torchao's own dynamic `Int8DynamicActivationInt8WeightConfig`) were
-slower than fp32 for every shape here. So every layer takes the dynamic kernel, and torchao is
-not a dependency.
+Weight-only and dynamic-activation int8 were measured per layer shape of gpt2-small on this project's AVX2
+CPU (`python scripts/bench.py generate --quantize int8 --layers`; the table is in README.md): the
+dynamic kernel was the fastest for every shape at 1, 8 and 512 rows (1.1-7x fp32; level with it
+only for the 768x768 projection at one row), while the weight-only kernels (torch's
+`_weight_int8pack_mm`, torchao 0.18's `Int8WeightOnlyConfig`) and torchao's dynamic
+`Int8DynamicActivationInt8WeightConfig` were slower than fp32, or at best level with it, for
+every shape here. So every layer takes the dynamic kernel, and torchao is not a dependency.
+Packing goes through `torch.quantize_per_channel`, which torch 2.13 marks deprecated (its warning
+is silenced here); the kernel itself is not.
 
 `state_dict()` of a quantized model has Hugging Face's keys and shapes; each quantized weight is
 the fp32 tensor it computes with (int8 times its scale), and a tied head gives the embedding it
