@@ -60,6 +60,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.has_bias = bias is not None
         self.kernel = KERNEL
         self._pack(weight, bias)
 
@@ -95,18 +96,22 @@ class Int8Linear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self._weight_for_state_dict()
-        bias = self.int8_weight()[2]
-        if bias is not None:
-            destination[prefix + "bias"] = bias
+        if self.has_bias:
+            destination[prefix + "bias"] = self.int8_weight()[2]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        weight, bias = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
-        has_bias = self.int8_weight()[2] is not None
-        if weight is None or (has_bias and bias is None):
-            missing_keys += [prefix + k for k, t in (("weight", weight), ("bias", bias if has_bias else 0)) if t is None]
+        names = [prefix + "weight"] + ([prefix + "bias"] if self.has_bias else [])
+        missing = [name for name in names if name not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
             return
-        self._pack(self._weight_from_state_dict(weight), bias if has_bias else None)
+        weight = self._weight_from_state_dict(state_dict[prefix + "weight"])
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {prefix}weight: {tuple(state_dict[prefix + 'weight'].shape)} "
+                              f"does not fit {self.in_features} inputs and {self.out_features} outputs")
+            return
+        self._pack(weight, state_dict.get(prefix + "bias"))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"

@@ -84,6 +84,13 @@ def test_load_state_dict_requantizes(models, ids):
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, q(ids).logits)
+    state = model.state_dict()
+    state["transformer.h.0.mlp.c_fc.weight"] = state["transformer.h.0.mlp.c_fc.weight"][:, :-1]
+    with pytest.raises(RuntimeError, match=r"size mismatch for transformer.h.0.mlp.c_fc.weight: \(32, 127\)"):
+        fresh.load_state_dict(state)
+    del state["transformer.h.0.mlp.c_fc.bias"]
+    with pytest.raises(RuntimeError, match="Missing key.*transformer.h.0.mlp.c_fc.bias"):
+        fresh.load_state_dict(state)
 
 
 def test_generate_with_the_cache_matches_full_recompute(models):
