@@ -61,7 +61,8 @@ class GPT2PreTrainedModel(nn.Module):
         self.config = config
 
     @classmethod
-    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, quantize: str | None = None, **kwargs: Any):
+    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, quantize: str | None = None,
+                        **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
         quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
         from .checkpoint import from_pretrained

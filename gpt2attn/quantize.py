@@ -122,7 +122,6 @@ class Int8Conv1D(Int8Linear):
 
     def __init__(self, conv: Conv1D):
         super().__init__(conv.weight.t(), conv.bias)
-        self.nf = self.out_features
 
     def _weight_for_state_dict(self) -> Tensor:
         return self.dequantized_weight().t()
