@@ -61,11 +61,20 @@ class GPT2PreTrainedModel(nn.Module):
         self.config = config
 
     @classmethod
-    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, **kwargs: Any):
-        """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint."""
+    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, quantize: str | None = None,
+                        **kwargs: Any):
+        """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
+        quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
         from .checkpoint import from_pretrained
 
-        return from_pretrained(cls, src, dtype=dtype, device=device, **kwargs)
+        model = from_pretrained(cls, src, dtype=dtype, device=device, **kwargs)
+        return model.quantize(quantize) if quantize is not None else model
+
+    def quantize(self, mode: str = "int8"):
+        """Quantize in place for CPU inference ('int8' or 'bf16'); see gpt2attn.quantize."""
+        from .quantize import quantize
+
+        return quantize(self, mode)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
         """Write an HF model folder (config.json + safetensors) that `transformers` opens."""

@@ -32,6 +32,10 @@ def bandwidth_floor_tokens_per_s(n_params: int, width: int) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if "--quantize" in argv:  # int8 decoding vs fp32, transformers and CTranslate2: bench_quantize.py
+        import bench_quantize
+
+        return bench_quantize.main(argv)
     parser = argparse.ArgumentParser(prog="bench.py generate")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)

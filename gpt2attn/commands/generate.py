@@ -24,6 +24,8 @@ def add_arguments(parser):
                        ("--typical-p", float), ("--repetition-penalty", float), ("--no-repeat-ngram-size", int),
                        ("--min-new-tokens", int), ("--num-beams", int), ("--length-penalty", float)):
         parser.add_argument(flag, type=kind, default=None, help="default: the model's generation config")
+    parser.add_argument("--quantize", choices=["int8", "bf16"], default=None,
+                        help="int8: quantized matrix products for faster CPU decoding (see gpt2attn.quantize)")
 
 
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
@@ -44,7 +46,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(folder)
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = GPT2LMHeadModel.from_pretrained(folder, quantize=args.quantize).eval()
     prompt_ids = encode(tokenizer, args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")

@@ -1,0 +1,186 @@
+import copy
+
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel, GPT2Model, inspect
+from gpt2attn.quantize import Int8Conv1D, Int8Linear, cpu_bf16_report, kernels
+from helpers import hf_twin, max_diff, randomize, shared_data, tiny_config
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return max_diff(a, b) / b.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(fp32 model, its int8 copy, transformers' fp32 twin), on random weights."""
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=2, std=0.1).eval()
+    return model, copy.deepcopy(model).quantize("int8"), hf_twin(model).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_every_conv1d_and_the_head_become_int8_under_their_names(models):
+    model, q, _ = models
+    assert [n for n, _ in q.named_modules()] == [n for n, _ in model.named_modules()]
+    quantized = kernels(q)
+    conv_names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert sorted(quantized) == sorted(conv_names + ["lm_head"]) and len(conv_names) == 4 * 2
+    assert all(isinstance(q.get_submodule(n), Int8Conv1D) for n in conv_names)
+    assert set(quantized.values()) == {"fbgemm dynamic int8 (quantized::linear_dynamic)"}
+
+
+def test_int8_logits_stay_close_to_transformers_fp32(models, ids):
+    _, q, hf = models
+    with torch.no_grad():
+        ours, theirs = q(ids).logits, hf(ids).logits
+    assert relative_error(ours, theirs) < 0.1  # a misplaced weight would be ~1
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+
+
+def test_int8_weights_are_the_fp32_weights_rounded_per_output_channel(models):
+    model, q, _ = models
+    w = model.transformer.h[0].mlp.c_fc.weight.t()  # (out, in)
+    w8, scale, bias = q.transformer.h[0].mlp.c_fc.int8_weight()
+    assert w8.dtype == torch.int8 and torch.equal(w8.abs().amax(dim=1), torch.full((w.size(0),), 127, dtype=torch.int8))
+    assert max_diff(w8.float() * scale[:, None], w) <= scale.max().item() / 2 + 1e-7
+    assert torch.equal(bias, model.transformer.h[0].mlp.c_fc.bias)
+
+
+def test_state_dict_keeps_hf_keys_and_shapes_and_the_tie(models):
+    model, q, _ = models
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = q.state_dict()
+    assert {k: v.shape for k, v in state.items()} == expected
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert state["lm_head.weight"].data_ptr() == q.transformer.wte.weight.data_ptr()
+
+
+def test_saved_int8_model_reloads_to_the_same_int8_weights(models, ids, tmp_path):
+    import transformers
+
+    _, q, _ = models
+    q.save_pretrained(tmp_path)
+    again = GPT2LMHeadModel.from_pretrained(tmp_path, quantize="int8")
+    for name, layer in kernels(q).items():
+        w8, scale, _ = q.get_submodule(name).int8_weight()
+        w8_again, scale_again, _ = again.get_submodule(name).int8_weight()
+        assert torch.equal(w8_again, w8), name
+        torch.testing.assert_close(scale_again, scale, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, q(ids).logits, rtol=0, atol=1e-5)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # an ordinary fp32 HF folder
+    for key, value in hf.state_dict().items():
+        assert torch.equal(value, q.state_dict()[key]), key
+
+
+def test_load_state_dict_requantizes(models, ids):
+    model, q, _ = models
+    fresh = randomize(GPT2LMHeadModel(tiny_config()), seed=9).eval().quantize("int8")
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, q(ids).logits)
+    state = model.state_dict()
+    state["transformer.h.0.mlp.c_fc.weight"] = state["transformer.h.0.mlp.c_fc.weight"][:, :-1]
+    with pytest.raises(RuntimeError, match=r"size mismatch for transformer.h.0.mlp.c_fc.weight: \(32, 127\)"):
+        fresh.load_state_dict(state)
+    del state["transformer.h.0.mlp.c_fc.bias"]
+    with pytest.raises(RuntimeError, match="Missing key.*transformer.h.0.mlp.c_fc.bias"):
+        fresh.load_state_dict(state)
+
+
+def test_generate_with_the_cache_matches_full_recompute(models):
+    _, q, _ = models
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    out = q.generate(prompt, max_new_tokens=10)
+    streamed = torch.stack(list(q.generate(prompt, max_new_tokens=10, stream=True)), dim=1)
+    assert torch.equal(out[:, 5:], streamed)
+    with torch.no_grad():
+        for t in range(5, out.size(1)):
+            full = q(out[:, :t], use_cache=False).logits[:, -1]  # no cache: the whole prefix again
+            cached_choice = out[:, t]
+            margin = full.gather(1, cached_choice[:, None]).squeeze(1) - full.max(dim=-1).values
+            assert (margin > -0.05 * full.abs().max()).all(), t  # the cached run's token is (near) the best
+
+
+def test_inspect_taps_work_on_the_int8_model(models, ids):
+    model, q, _ = models
+    with torch.no_grad():
+        with inspect.capture(model, layers=[1], names=["weights", "hidden"]) as ref:
+            model(ids)
+        with inspect.capture(q, layers=[1], names=["weights", "hidden"]) as acts:
+            q(ids)
+        assert relative_error(acts["h.1.attn.weights"], ref["h.1.attn.weights"]) < 0.05
+        assert relative_error(acts["h.1.mlp.hidden"], ref["h.1.mlp.hidden"]) < 0.05
+        with inspect.edit(q, "h.1.attn.weights", inspect.zero_head(2)):
+            ablated = q(ids).logits
+        assert max_diff(ablated, q(ids).logits) > 1e-3
+
+
+def test_base_model_and_untied_head(ids):
+    body = randomize(GPT2Model(tiny_config()), seed=3, std=0.1).eval()
+    expected = body(ids).last_hidden_state
+    body.quantize("int8")
+    assert isinstance(body.h[0].attn.c_attn, Int8Conv1D)
+    assert relative_error(body(ids).last_hidden_state, expected) < 0.1
+    untied = randomize(GPT2LMHeadModel(tiny_config(tie_word_embeddings=False)), seed=4, std=0.1).eval()
+    expected = untied(ids).logits
+    untied.quantize("int8")
+    assert type(untied.lm_head) is Int8Linear
+    assert relative_error(untied(ids).logits, expected) < 0.1
+    assert untied.state_dict()["lm_head.weight"].data_ptr() != untied.transformer.wte.weight.data_ptr()
+
+
+def test_bad_requests_name_the_problem():
+    model = GPT2LMHeadModel(tiny_config()).eval()
+    with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
+        model.quantize("int4")
+    with pytest.raises(ValueError, match="needs an fp32 model, this one is torch.bfloat16"):
+        copy.deepcopy(model).to(torch.bfloat16).quantize("int8")
+
+
+def test_bf16_is_cast_only_where_the_cpu_has_it():
+    fast, report = cpu_bf16_report()
+    model = GPT2LMHeadModel(tiny_config()).eval()
+    if fast:
+        assert model.quantize("bf16").dtype == torch.bfloat16
+    else:
+        with pytest.raises(RuntimeError, match="neither amx_bf16 nor avx512_bf16"):
+            model.quantize("bf16")
+        assert model.dtype == torch.float32
+
+
+def test_cli_generate_quantize_int8(tmp_path, capsys, models):
+    from gpt2attn.cli import main
+    from gpt2attn.tokenizer import char_tokenizer
+
+    model, q, _ = models
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))
+    model.save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    args = ["generate", "--model", str(tmp_path), "--greedy", "--max-new-tokens", "8", "--quantize", "int8", "hello"]
+    assert main(args) == 0
+    expected = q.generate(torch.tensor([tokenizer.encode("hello").ids]), max_new_tokens=8)
+    assert capsys.readouterr().out == tokenizer.decode(expected[0].tolist()) + "\n"
+
+
+@torch.no_grad()
+def test_int8_validation_loss_within_half_a_percent_of_fp32():
+    """The shipped char model on a fixed slice of tinyshakespeare's validation split (its last
+    10%, as the training recipe splits it): 64 blocks of 128 characters."""
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.tokenizer import load_tokenizer
+
+    text = (shared_data("tinyshakespeare") / "input.txt").read_text()
+    ids = torch.tensor(load_tokenizer(DEFAULT_MODEL_DIR).encode(text[int(len(text) * 0.9) :]).ids)
+    blocks = ids[: 64 * 128].view(64, 128)
+    fp32 = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR)
+    int8 = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR, quantize="int8")
+    loss32 = fp32(blocks, labels=blocks).loss.item()
+    loss8 = int8(blocks, labels=blocks).loss.item()
+    assert loss32 < 1.9  # the model is the trained one, not noise
+    assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
