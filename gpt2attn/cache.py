@@ -100,14 +100,23 @@ class KVCache:
 
     def reorder(self, rows: Tensor) -> None:
         """Row i takes the cached tokens of row rows[i] (beam search), in place in the same
-        buffers: only the rows that change are gathered and written back."""
-        moved = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-        if moved.numel() == 0:
-            return
-        sources = rows[moved]
+        buffers. Only the rows that change are written, each copied once, straight from its
+        source: a row is overwritten only after every row that reads it has been written."""
+        pending = {dst: src for dst, src in enumerate(rows.tolist()) if dst != src}
+        plan = []  # (dst, src) in an order that never overwrites a row still to be read
+        while pending:
+            free = [dst for dst in pending if dst not in pending.values()]
+            if not free:  # a cycle (beams swapping places): gather the rest through a copy
+                break
+            for dst in free:
+                plan.append((dst, pending.pop(dst)))
         for buf in (*self.keys, *self.values):
             used = buf[:, :, : self.length]
-            used.index_copy_(0, moved, used.index_select(0, sources))
+            for dst, src in plan:
+                used[dst].copy_(used[src])
+            if pending:
+                dst = torch.tensor(list(pending), device=buf.device)
+                used.index_copy_(0, dst, used.index_select(0, torch.tensor(list(pending.values()), device=buf.device)))
 
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape

@@ -273,3 +273,22 @@ def test_generate_outputs_read_as_transformers_outputs(models):
     assert out["sequences"] is out.sequences is out[0] and list(out.keys()) == ["sequences", "scores", "past_key_values"]
     beams = model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, num_beams=2, return_dict_in_generate=True)
     assert "sequences_scores" not in beams and beams.beam_indices.shape == (1, 3)
+
+
+def test_cache_reorder_equals_a_gather_for_every_beam_mapping():
+    """KVCache.reorder writes rows in place in a dependency order (gathering only cycles):
+    for every mapping of 4 beams, swaps and cycles included, it equals buf[rows]."""
+    import itertools
+
+    from gpt2attn.cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    for rows in itertools.product(range(4), repeat=4):
+        cache = KVCache.preallocate(2, 4, 2, 8, 3)
+        cache.length = 5
+        for buf in (*cache.keys, *cache.values):
+            buf.copy_(torch.randn(buf.shape, generator=g))
+        want = [buf[:, :, :5][list(rows)].clone() for buf in (*cache.keys, *cache.values)]
+        cache.reorder(torch.tensor(rows))
+        for buf, expected in zip((*cache.keys, *cache.values), want):
+            assert torch.equal(buf[:, :, :5], expected), rows
