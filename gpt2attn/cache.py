@@ -110,13 +110,15 @@ class KVCache:
                 break
             for dst in free:
                 plan.append((dst, pending.pop(dst)))
+        if pending:
+            cycle_dst = torch.tensor(list(pending), device=rows.device)
+            cycle_src = torch.tensor(list(pending.values()), device=rows.device)
         for buf in (*self.keys, *self.values):
             used = buf[:, :, : self.length]
             for dst, src in plan:
                 used[dst].copy_(used[src])
             if pending:
-                dst = torch.tensor(list(pending), device=buf.device)
-                used.index_copy_(0, dst, used.index_select(0, torch.tensor(list(pending.values()), device=buf.device)))
+                used.index_copy_(0, cycle_dst, used.index_select(0, cycle_src))
 
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape
