@@ -554,14 +554,20 @@ def save_pretrained(
     safe_serialization: bool = True,
     max_shard_size: int | str | None = None,
     progress: Callable[[int], None] | None = None,
+    state_dict: dict[str, Tensor] | None = None,
+    is_main_process: bool = True,
 ) -> None:
     """Write an HF folder: config.json and the weights (sharded with an index when larger than
     max_shard_size). A model already there is replaced as a whole, in one step (files.py's
     replace_folder): killed or failing at any moment, the folder holds the old model or the new
     one. Other files in it (tokenizer files, a README) are kept.
-    progress(n) is called with each n bytes of tensor data written."""
+    progress(n) is called with each n bytes of tensor data written. As in transformers,
+    state_dict replaces model.state_dict() (e.g. one gathered from FSDP shards), and the other
+    ranks of a distributed run pass is_main_process=False and write nothing."""
+    if not is_main_process:
+        return
     with replace_folder(save_directory, keep=lambda name: not MODEL_FILE.fullmatch(name)) as folder:
-        write_model(model, folder, safe_serialization, max_shard_size, progress)
+        write_model(model, folder, safe_serialization, max_shard_size, progress, state_dict)
 
 
 def write_model(
@@ -570,9 +576,10 @@ def write_model(
     safe_serialization: bool = True,
     max_shard_size: int | str | None = None,
     progress: Callable[[int], None] | None = None,
+    state_dict: dict[str, Tensor] | None = None,
 ) -> None:
     """The files of save_pretrained, written into `folder` (a new folder from replace_folder)."""
-    state = tensors_to_save(model)
+    state = tensors_to_save(model, state_dict)
     ext, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
     shards = split_shards(state, parse_size(max_shard_size))
     if len(shards) == 1:
@@ -600,14 +607,20 @@ def write_model(
         save_generation_config(model, folder)
 
 
-def tensors_to_save(model) -> dict[str, Tensor]:
-    """The state dict on the CPU, contiguous, with a tied lm_head.weight left out (as HF does:
-    it is wte's tensor, and safetensors refuses to store one tensor twice)."""
-    state = model.state_dict()
+def tensors_to_save(model, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The state dict (model's own unless one is given) on the CPU, contiguous, with a tied
+    lm_head.weight left out (as HF does: it is wte's tensor, and safetensors refuses to store one
+    tensor twice; a gathered state dict may hold two copies of it, and from_pretrained ties them)."""
+    state = model.state_dict() if state_dict is None else dict(state_dict)
     head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
-    if head is not None and wte is not None and head.data_ptr() == wte.data_ptr():
+    if head is not None and wte is not None and (head.data_ptr() == wte.data_ptr() or _is_tied(model)):
         del state["lm_head.weight"]
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+
+
+def _is_tied(model) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 def parse_size(size: int | str | None) -> int | None:

@@ -203,6 +203,11 @@ class GPT2Config:
     def inner_dim(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> "GPT2Config":
+        """The config of the text part: GPT-2 is all text, so this config itself, as in transformers
+        (whose Trainer reads it to align the tokenizer's special tokens with the model)."""
+        return self
+
     @property
     def extra(self) -> dict[str, Any]:
         """The keys that are not GPT-2 fields (torch_dtype, transformers_version, ...)."""

@@ -52,6 +52,7 @@ class GPT2PreTrainedModel(nn.Module):
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    _keys_to_ignore_on_save = None  # read by transformers.Trainer when it resumes from a checkpoint
 
     def __init__(self, config: GPT2Config):
         super().__init__()

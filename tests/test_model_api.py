@@ -99,6 +99,20 @@ def test_model_save_pretrained_writes_architectures(tmp_path):
     assert transformers.AutoConfig.from_pretrained(tmp_path).architectures == ["GPT2LMHeadModel"]
 
 
+def test_save_pretrained_takes_a_given_state_dict_and_is_main_process(tmp_path):
+    """The accelerate / FSDP pattern written for transformers: save_pretrained(dir, state_dict=gathered,
+    is_main_process=rank0). A gathered state dict holds lm_head and wte as two equal tensors."""
+    model = GPT2LMHeadModel(tiny_config())
+    model.save_pretrained(tmp_path / "rank1", is_main_process=False)
+    assert not (tmp_path / "rank1").exists()
+    trained = randomize(GPT2LMHeadModel(tiny_config()), seed=5)
+    gathered = {k: v.clone() for k, v in trained.state_dict().items()}  # no tensor shared any more
+    model.save_pretrained(tmp_path / "rank0", state_dict=gathered)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for cls in (GPT2LMHeadModel, transformers.GPT2LMHeadModel):
+        assert max_diff(cls.from_pretrained(tmp_path / "rank0")(ids).logits, trained(ids).logits) < 1e-5
+
+
 def test_config_from_pretrained_takes_hub_names(tmp_path, monkeypatch):
     fake_hub_cache(tmp_path, "someone/tiny-gpt2", GPT2LMHeadModel(tiny_config(n_layer=3)))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -2,5 +2,6 @@
 
 transformers.py  zero-copy conversion to and from transformers' GPT-2 classes
 peft.py          LoRA on our Conv1D through PEFT (registered on `import gpt2attn.interop.peft`)
+trainer.py       transformers.Trainer checkpoints of our models (on `import gpt2attn.interop.trainer`)
 export.py        torch.export / ONNX of the prefill and the decode step
 """
