@@ -25,6 +25,10 @@ class KVCache:
         self.length = 0  # tokens cached; every layer holds this many
         self.cross_keys: list[Tensor | None] = [None] * n_layer  # (B, nh, T_enc, hs), cross-attention
         self.cross_values: list[Tensor | None] = [None] * n_layer
+        # A preallocated cache keeps every layer's keys and values in one tensor,
+        # (n_layer, 2, B, nh, capacity, hs), which keys[i] / values[i] view: reorder then moves a
+        # row of all layers with one copy.
+        self.block: Tensor | None = None
 
     @classmethod
     def preallocate(
@@ -39,10 +43,9 @@ class KVCache:
     ) -> "KVCache":
         """Room for max_len tokens per layer, so no update ever reallocates."""
         cache = cls(n_layer)
-        shape = (batch_size, n_head, max_len, head_dim)
+        cache.block = torch.zeros(n_layer, 2, batch_size, n_head, max_len, head_dim, dtype=dtype, device=device)
         for i in range(n_layer):
-            cache.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
-            cache.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+            cache.keys[i], cache.values[i] = cache.block[i, 0], cache.block[i, 1]  # (B, nh, max_len, hs) views
         return cache
 
     @classmethod
@@ -81,6 +84,7 @@ class KVCache:
         if end > buf_k.size(2):
             buf_k, buf_v = self._grow(buf_k, end), self._grow(buf_v, end)
             self.keys[layer], self.values[layer] = buf_k, buf_v
+            self.block = None  # this layer has left it
         buf_k[:, :, start:end] = key
         buf_v[:, :, start:end] = value
         return buf_k[:, :, :end], buf_v[:, :, :end]
@@ -98,27 +102,35 @@ class KVCache:
             self.values[i][:, :, : past.length] = v.repeat_interleave(rows, dim=0)
         self.length = past.length
 
-    def reorder(self, rows: Tensor) -> None:
+    def reorder(self, rows: Tensor, start: Sequence[int] | None = None) -> None:
         """Row i takes the cached tokens of row rows[i] (beam search), in place in the same
         buffers. Only the rows that change are written, each copied once, straight from its
-        source: a row is overwritten only after every row that reads it has been written."""
+        source: a row is overwritten only after every row that reads it has been written.
+        start[i], when given, says row i already holds its source's tokens before that position
+        (beams that share their history up to where they parted): only the rest is copied."""
         pending = {dst: src for dst, src in enumerate(rows.tolist()) if dst != src}
-        plan = []  # (dst, src) in an order that never overwrites a row still to be read
+        first = [0] * len(rows) if start is None else list(start)
+        plan = []  # (dst, src, first position to copy) in an order that never overwrites a row still to be read
         while pending:
             free = [dst for dst in pending if dst not in pending.values()]
             if not free:  # a cycle (beams swapping places): gather the rest through a copy
                 break
             for dst in free:
-                plan.append((dst, pending.pop(dst)))
+                plan.append((dst, pending.pop(dst), first[dst]))
         if pending:
-            cycle_dst = torch.tensor(list(pending), device=rows.device)
-            cycle_src = torch.tensor(list(pending.values()), device=rows.device)
-        for buf in (*self.keys, *self.values):
-            used = buf[:, :, : self.length]
-            for dst, src in plan:
-                used[dst].copy_(used[src])
+            device = self.keys[0].device
+            cycle_dst = torch.tensor(list(pending), device=device)
+            cycle_src = torch.tensor(list(pending.values()), device=device)
+            cycle_from = min(first[dst] for dst in pending)
+        # The rows' dimension: 2 of the block, 0 of a layer's keys or values; positions are dim -2 in both.
+        buffers, dim = ([self.block], 2) if self.block is not None else ([*self.keys, *self.values], 0)
+        for buf in buffers:
+            used = buf.narrow(-2, 0, self.length)
+            for dst, src, begin in plan:
+                used.select(dim, dst)[..., begin:, :].copy_(used.select(dim, src)[..., begin:, :])
             if pending:
-                used.index_copy_(0, cycle_dst, used.index_select(0, cycle_src))
+                tail = used[..., cycle_from:, :]
+                tail.index_copy_(dim, cycle_dst, tail.index_select(dim, cycle_src))
 
     def _grow(self, buf: Tensor, needed: int) -> Tensor:
         B, nh, capacity, hs = buf.shape

@@ -275,20 +275,36 @@ def test_generate_outputs_read_as_transformers_outputs(models):
     assert "sequences_scores" not in beams and beams.beam_indices.shape == (1, 3)
 
 
-def test_cache_reorder_equals_a_gather_for_every_beam_mapping():
+@pytest.mark.parametrize("layout", ["preallocated block", "a tensor per layer"])
+def test_cache_reorder_equals_a_gather_for_every_beam_mapping(layout):
     """KVCache.reorder writes rows in place in a dependency order (gathering only cycles):
-    for every mapping of 4 beams, swaps and cycles included, it equals buf[rows]."""
+    for every mapping of 4 beams, swaps and cycles included, it equals buf[rows]. Given start,
+    where each row already equals its source before start[i], it copies only the rest."""
     import itertools
 
     from gpt2attn.cache import KVCache
 
     g = torch.Generator().manual_seed(0)
     for rows in itertools.product(range(4), repeat=4):
-        cache = KVCache.preallocate(2, 4, 2, 8, 3)
-        cache.length = 5
-        for buf in (*cache.keys, *cache.values):
-            buf.copy_(torch.randn(buf.shape, generator=g))
-        want = [buf[:, :, :5][list(rows)].clone() for buf in (*cache.keys, *cache.values)]
-        cache.reorder(torch.tensor(rows))
-        for buf, expected in zip((*cache.keys, *cache.values), want):
-            assert torch.equal(buf[:, :, :5], expected), rows
+        for with_start in (False, True):
+            cache = KVCache.preallocate(2, 4, 2, 8, 3)
+            if layout == "a tensor per layer":
+                cache = KVCache.from_legacy([(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)])
+            cache.length = 5
+            for buf in (*cache.keys, *cache.values):
+                buf.copy_(torch.randn(buf.shape, generator=g))
+            want = [buf[:, :, :5][list(rows)].clone() for buf in (*cache.keys, *cache.values)]
+            start = None
+            if with_start:  # as beams do: row i follows a common history up to where it parted, d[i]
+                d = torch.randint(0, 6, (4,), generator=g).tolist()
+                for buf in (*cache.keys, *cache.values):
+                    for i in range(4):
+                        buf[i, :, : d[i]] = buf[0, :, : d[i]]
+                start = [min(d[i], d[src]) for i, src in enumerate(rows)]  # what row i shares with its source
+                want = [buf[:, :, :5][list(rows)].clone() for buf in (*cache.keys, *cache.values)]
+            cache.reorder(torch.tensor(rows), start=start)
+            assert (cache.block is not None) == (layout == "preallocated block")
+            for buf, expected in zip((*cache.keys, *cache.values), want):
+                assert torch.equal(buf[:, :, :5], expected), (rows, start)
+
+

@@ -22,6 +22,10 @@ class Decoder:
         if past is not None:
             self.cache.load(past)
         self.token_type_ids = token_type_ids  # (N, T) for the uncached prompt; new tokens repeat its last column
+        # shared[i, j]: how many leading cached positions rows i and j hold identically, because
+        # reorder copied them from one row (beams share their history up to where they parted).
+        # New tokens go after every shared position, so only a rollback lowers it.
+        self.shared = torch.zeros(rows, rows, dtype=torch.long)
         self.mask = None
         if mask is not None and not bool(mask.all()):
             self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
@@ -63,7 +67,12 @@ class Decoder:
     def rollback(self, length: int) -> None:
         """Forget every cached token from `length` on (drafts the model rejected)."""
         self.cache.length = length
+        self.shared.clamp_(max=length)  # positions from here on will be each row's own
 
     def reorder(self, rows: Tensor) -> None:
-        """Row i continues from row rows[i] (beam search), in place."""
-        self.cache.reorder(rows)
+        """Row i continues from row rows[i] (beam search), in place. Of each row that changes,
+        only the positions after the history it shares with its new source are copied."""
+        rows = rows.cpu()
+        self.shared.fill_diagonal_(self.length)
+        self.cache.reorder(rows, start=self.shared[torch.arange(rows.numel()), rows].tolist())
+        self.shared = self.shared[rows][:, rows]  # rows i, j now share what their sources shared
