@@ -3,9 +3,11 @@
     python scripts/bench.py generate [--prompt 32] [--new 128] [--batch 8] [--repeats 3] [--only greedy,beam,assisted]
 
 greedy: batch 1 and --batch. beam: 4 beams at batch 1 vs transformers' beam search and vs our
-own greedy at batch 4 (the same rows per step). assisted: greedy with prompt lookup (on a prompt
-that repeats itself) and with a 2-layer assistant (gpt2-small's first two blocks and its head),
-ours vs transformers', with tokens per forward of the big model (1 means no draft was accepted).
+own greedy at batch 4 (the same rows per step), and the time each of ours spends outside the
+model's forward per step (search and cache reorder), which machine load hardly moves.
+assisted: greedy with prompt lookup (on a prompt that repeats itself) and with a 2-layer
+assistant (gpt2-small's first two blocks and its head), ours vs transformers', with tokens per
+forward of the big model (1 means no draft was accepted).
 
 fp32, eval. Prints tokens/s at batch 1 and at --batch, the ratio ours/transformers (above 1 means
 ours is faster), and the memory-bandwidth floor: one matrix-vector product over a buffer the
@@ -15,12 +17,15 @@ size of the weights, the most batch-1 tokens/s this machine can decode.
 from __future__ import annotations
 
 import argparse
+import time
+from unittest import mock
 
 import torch
 import transformers
 from bench_common import interleaved_medians, machine_line, median_seconds
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
+from gpt2attn.generation.decoder import Decoder
 
 
 def bandwidth_floor_tokens_per_s(n_params: int, width: int) -> float:
@@ -104,6 +109,10 @@ def bench_beam(ours, theirs, args) -> None:
             repeats=args.repeats,
             warmup=1,
         )
+        beam_extra = time_outside_forward(lambda: ours.generate(prompt, **beam), args.repeats)
+        greedy_extra = time_outside_forward(
+            lambda: ours.generate(greedy4, max_new_tokens=args.new, eos_token_id=None), args.repeats
+        )
     rate = {name: args.new / t for name, t in times.items()}
     print(
         f"beam search, 4 beams, prompt {args.prompt}, {args.new} new: ours {rate['ours beam']:.1f} steps/s, "
@@ -111,6 +120,35 @@ def bench_beam(ours, theirs, args) -> None:
         f"our greedy B=4 {rate['ours greedy B=4']:.1f} steps/s (beam/greedy {rate['ours beam'] / rate['ours greedy B=4']:.3f}); "
         f"same tokens: {same}"
     )
+    step_ms = 1000 * times["ours greedy B=4"] / args.new
+    print(
+        f"  time outside the model's forward, per step: beam {1000 * beam_extra / args.new:.2f} ms "
+        f"(search, cache reorder), greedy B=4 {1000 * greedy_extra / args.new:.2f} ms; the difference is "
+        f"{100 * (beam_extra - greedy_extra) / args.new / (step_ms / 1000):.1f}% of a {step_ms:.1f} ms greedy step"
+    )
+
+
+def time_outside_forward(run, repeats: int) -> float:
+    """Median seconds a generate() call spends outside Decoder.forward (the model's forward):
+    the search's own work. Unlike the wall times above it hardly moves with the machine's load."""
+    inside = [0.0]
+    forward = Decoder.forward
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    outside = []
+    with mock.patch.object(Decoder, "forward", timed):
+        for _ in range(repeats):
+            inside[0] = 0.0
+            t0 = time.perf_counter()
+            run()
+            outside.append(time.perf_counter() - t0 - inside[0])
+    return sorted(outside)[len(outside) // 2]
 
 
 def bench_assisted(ours, theirs, args) -> None:
