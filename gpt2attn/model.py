@@ -7,11 +7,13 @@ State-dict keys and shapes equal `transformers`' GPT-2, so HF checkpoints load w
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
@@ -152,19 +154,38 @@ class GPT2PreTrainedModel(nn.Module):
 
     # --- training -------------------------------------------------------------------------
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
-        """Recompute each block's activations in the backward pass. gradient_checkpointing_kwargs
-        go to torch.utils.checkpoint.checkpoint (default {"use_reentrant": False}, as transformers)."""
-        kwargs = {"use_reentrant": False} if gradient_checkpointing_kwargs is None else dict(gradient_checkpointing_kwargs)
-        self.base_model.gradient_checkpointing = True
-        self.base_model.gradient_checkpointing_kwargs = kwargs
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute blocks' activations in the backward pass instead of keeping them, as
+        transformers 5 does: every block, or every every_n_layers-th one (blocks 0, n, 2n, ...).
+        activation_checkpointing_kwargs go to torch.utils.checkpoint.checkpoint (default
+        {"use_reentrant": False}); offload keeps what the checkpointed blocks save in host memory."""
+        if not is_int(every_n_layers) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+        body = self.base_model
+        body.gradient_checkpointing = True
+        body.gradient_checkpointing_kwargs = dict(activation_checkpointing_kwargs or {"use_reentrant": False})
+        body.checkpoint_every = every_n_layers
+        body.checkpoint_offload = offload
 
-    def gradient_checkpointing_disable(self) -> None:
+    def activation_checkpointing_disable(self) -> None:
         self.base_model.gradient_checkpointing = False
 
     @property
-    def is_gradient_checkpointing(self) -> bool:
+    def is_activation_checkpointing(self) -> bool:
         return self.base_model.gradient_checkpointing
+
+    # transformers 4's names, which transformers 5 keeps as aliases and most training scripts call
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+                                      **kwargs: Any) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                              device_type: str | None = None) -> torch.optim.AdamW:
@@ -211,8 +232,10 @@ class GPT2Model(GPT2PreTrainedModel):
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config, layer_idx=i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = False  # see activation_checkpointing_enable
         self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        self.checkpoint_every = 1
+        self.checkpoint_offload = False
         init_weights(self, config)
 
     def forward(
@@ -283,9 +306,11 @@ class GPT2Model(GPT2PreTrainedModel):
             if all_hidden is not None:
                 all_hidden.append(x)
             layer_head_mask = head_mask[i] if head_mask is not None else None
-            if checkpointing:
-                x, weights, cross = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
-                                               encoder_hidden_states, encoder_mask, **self.gradient_checkpointing_kwargs)
+            if checkpointing and i % self.checkpoint_every == 0:
+                offload = self.checkpoint_offload  # what the block saves for backward goes to host memory
+                with save_on_cpu(pin_memory=x.is_cuda, device_type=x.device.type) if offload else nullcontext():
+                    x, weights, cross = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
+                                                   encoder_hidden_states, encoder_mask, **self.gradient_checkpointing_kwargs)
             else:
                 x, weights, cross = block(x, cache, mask, layer_head_mask, output_attentions,
                                           encoder_hidden_states, encoder_mask)

@@ -36,12 +36,13 @@ def fresh():
     return randomize(GPT2LMHeadModel(tiny_config()), std=0.1)
 
 
-def train(model, out, max_steps=4, resume=None, processing_class=None, **overrides):
+def train(model, out, max_steps=4, resume=None, processing_class=None, eval_dataset=None, **overrides):
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, report_to=[], use_cpu=True,
         logging_steps=1, **overrides,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), processing_class=processing_class)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
+                                   processing_class=processing_class)
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     return trainer, losses
@@ -86,6 +87,25 @@ def test_trainer_checkpoints_load_in_both_libraries_and_resume(tmp_path, given):
                        save_strategy="no")
     assert [resumed[3], resumed[4]] == pytest.approx([losses[3], losses[4]], abs=1e-6)
     assert max_diff(again(x).logits, trained) < 1e-6
+
+
+def test_evaluation_best_model_and_activation_checkpointing_as_transformers(tmp_path):
+    """Evaluation during training, load_best_model_at_end (from our checkpoints), the Trainer's
+    activation checkpointing (transformers 5 API) and predict: the same figures on both models."""
+    results = {}
+    for name, model in (("ours", fresh()), ("hf", hf_twin(fresh()))):
+        trainer, losses = train(model, tmp_path / name, eval_strategy="steps", eval_steps=2, save_steps=2,
+                                load_best_model_at_end=True, gradient_checkpointing=True, eval_dataset=Tokens(8))
+        assert model.is_activation_checkpointing
+        logits = trainer.predict(Tokens(4)).predictions
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        results[name] = losses, trainer.evaluate()["eval_loss"], trainer.state.best_model_checkpoint, logits
+    (ours_losses, ours_eval, ours_best, ours_logits), (hf_losses, hf_eval, hf_best, hf_logits) = results.values()
+    assert list(ours_losses.values()) == pytest.approx(list(hf_losses.values()), abs=1e-5)
+    assert ours_eval == pytest.approx(hf_eval, abs=1e-5)
+    assert ours_best.endswith("checkpoint-4") and hf_best.endswith("checkpoint-4")
+    assert ours_logits.shape == hf_logits.shape == (4, 12, 97)
+    assert abs(ours_logits - hf_logits).max() < 1e-4
 
 
 def test_other_models_are_saved_as_the_trainer_always_did(tmp_path):

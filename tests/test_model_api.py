@@ -299,6 +299,35 @@ def test_gradient_checkpointing_honours_use_reentrant(use_reentrant):
         assert max_diff(p.grad, q.grad) <= 1e-5, name
 
 
+@pytest.mark.parametrize("every_n_layers, offload", [(1, True), (2, False), (3, False)])
+def test_activation_checkpointing_every_n_layers_and_offload(monkeypatch, every_n_layers, offload):
+    """transformers 5's activation_checkpointing_enable (what its Trainer calls): blocks 0, n, 2n, ...
+    are recomputed, offload keeps their saved inputs in host memory; gradients stay the plain ones."""
+    import gpt2attn.model
+
+    ids = _ids((2, 8), seed=7)
+    cfg = tiny_config(n_layer=4)
+    plain = randomize(GPT2LMHeadModel(cfg), seed=7).train()
+    plain(ids, labels=ids).loss.backward()
+    model = randomize(GPT2LMHeadModel(cfg), seed=7).train()
+    model.activation_checkpointing_enable(every_n_layers=every_n_layers, offload=offload)
+    assert model.is_activation_checkpointing and model.is_gradient_checkpointing
+    recomputed, offloaded = [], []
+    checkpoint, save_on_cpu = gpt2attn.model.checkpoint, gpt2attn.model.save_on_cpu
+    monkeypatch.setattr(gpt2attn.model, "checkpoint",
+                        lambda block, *args, **kw: recomputed.append(block) or checkpoint(block, *args, **kw))
+    monkeypatch.setattr(gpt2attn.model, "save_on_cpu", lambda **kw: offloaded.append(kw) or save_on_cpu(**kw))
+    model(ids, labels=ids).loss.backward()
+    assert recomputed == [block for i, block in enumerate(model.transformer.h) if i % every_n_layers == 0]
+    assert len(offloaded) == (len(recomputed) if offload else 0)
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert max_diff(p.grad, q.grad) <= 1e-5, name
+    model.activation_checkpointing_disable()
+    assert not model.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="every_n_layers"):
+        model.activation_checkpointing_enable(every_n_layers=0)
+
+
 def test_reentrant_checkpointing_trains_blocks_under_frozen_embeddings():
     """As transformers makes the embeddings' output require grad, so frozen embeddings (PEFT) still
     let reentrant checkpointing backpropagate into the blocks."""
