@@ -175,6 +175,25 @@ class GPT2PreTrainedModel(nn.Module):
     def is_activation_checkpointing(self) -> bool:
         return self.base_model.gradient_checkpointing
 
+    def enable_input_require_grads(self) -> None:
+        """Make the input embeddings' output require grad, as transformers does for adapters over
+        frozen embeddings (reentrant checkpointing needs a block input that requires grad)."""
+        def require_grad(module: nn.Module, inputs: Any, output: Tensor) -> None:
+            output.requires_grad_(True)
+
+        self.disable_input_require_grads()
+        self._input_require_grads = self.get_input_embeddings().register_forward_hook(require_grad)
+
+    def disable_input_require_grads(self) -> None:
+        hook = self.__dict__.pop("_input_require_grads", None)
+        if hook is not None:
+            hook.remove()
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes held by the parameters (and buffers), each tensor counted once."""
+        tensors = {id(t): t for t in (*self.parameters(), *(self.buffers() if return_buffers else ()))}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     # transformers 4's names, which transformers 5 keeps as aliases and most training scripts call
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None,
                                       **kwargs: Any) -> None:
@@ -454,6 +473,13 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         from .generation import generate
 
         return generate(self, input_ids, **kwargs)
+
+    def compute_transition_scores(self, sequences: Tensor, scores: tuple[Tensor, ...],
+                                  beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:
+        """Each generated token's score at the step that chose it; see gpt2attn.generation."""
+        from .generation import compute_transition_scores
+
+        return compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
 
 
 def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: int | Tensor | None = None) -> Tensor:

@@ -68,6 +68,11 @@ def test_beam_search_equals_transformers(models, name, prompt):
     _close(ours.sequences_scores, theirs.sequences_scores)
     _close(ours.scores, theirs.scores)
     _close(ours.logits, theirs.logits)
+    # each token's score in its hypothesis: transformers' method, and its documented identity
+    steps = model.compute_transition_scores(ours.sequences, ours.scores, ours.beam_indices)
+    _close(steps, hf.compute_transition_scores(theirs.sequences, theirs.scores, theirs.beam_indices))
+    n_new = (ours.beam_indices >= 0).sum(dim=1)
+    _close(steps.sum(dim=1) / n_new ** kw.get("length_penalty", 1.0), ours.sequences_scores)
 
 
 SAMPLING = {
@@ -109,6 +114,9 @@ def test_greedy_scores_and_eos_list_equal_transformers(models, prompt):
     _close(ours.scores, theirs.scores)
     _close(ours.logits, theirs.logits)
     assert ours.past_key_values.get_seq_length() == theirs.past_key_values.get_seq_length()
+    for normalize in (False, True):
+        _close(model.compute_transition_scores(ours.sequences, ours.logits, normalize_logits=normalize),
+               hf.compute_transition_scores(theirs.sequences, theirs.logits, normalize_logits=normalize))
 
 
 def test_max_length_and_config_eos_default_as_transformers(models):

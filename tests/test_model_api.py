@@ -328,6 +328,22 @@ def test_activation_checkpointing_every_n_layers_and_offload(monkeypatch, every_
         model.activation_checkpointing_enable(every_n_layers=0)
 
 
+def test_input_require_grads_hook_and_memory_footprint_as_transformers():
+    model = GPT2LMHeadModel(tiny_config())
+    model.transformer.wte.requires_grad_(False)
+    ids = _ids((1, 4), seed=8)
+    assert not model.transformer.wte(ids).requires_grad
+    model.enable_input_require_grads()
+    model.enable_input_require_grads()  # twice: still one hook
+    assert model.transformer.wte(ids).requires_grad and len(model.transformer.wte._forward_hooks) == 1
+    model.disable_input_require_grads()
+    assert not model.transformer.wte(ids).requires_grad
+    hf = hf_twin(model)
+    for buffers in (True, False):
+        assert model.get_memory_footprint(buffers) == hf.get_memory_footprint(buffers)
+    assert model.get_memory_footprint() == 4 * model.num_parameters()  # the tied lm_head counted once
+
+
 def test_reentrant_checkpointing_trains_blocks_under_frozen_embeddings():
     """As transformers makes the embeddings' output require grad, so frozen embeddings (PEFT) still
     let reentrant checkpointing backpropagate into the blocks."""

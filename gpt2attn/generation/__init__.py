@@ -11,7 +11,7 @@
 from pathlib import Path
 
 from .config import GenerationConfig
-from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, generate
+from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, compute_transition_scores, generate
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
@@ -20,5 +20,6 @@ __all__ = [
     "GenerateBeamDecoderOnlyOutput",
     "GenerateDecoderOnlyOutput",
     "GenerationConfig",
+    "compute_transition_scores",
     "generate",
 ]

@@ -132,6 +132,24 @@ def generate(
     )
 
 
+def compute_transition_scores(sequences: Tensor, scores: tuple[Tensor, ...], beam_indices: Tensor | None = None,
+                              normalize_logits: bool = False) -> Tensor:
+    """The score of each generated token at the step that chose it, (N, steps), as transformers'
+    method of this name: `scores` (one (rows, V) tensor per step, from generate(output_scores=True))
+    read at the token, in the row it came from (beam_indices for beams, else the row itself); 0
+    after a beam hypothesis ended. normalize_logits log-softmaxes each step's scores first."""
+    steps = torch.stack(tuple(scores), dim=1)  # (rows, S, V)
+    if normalize_logits:
+        steps = steps.log_softmax(dim=-1)
+    if beam_indices is None:
+        beam_indices = torch.arange(steps.size(0), device=steps.device)[:, None].expand(-1, steps.size(1))
+    n_steps = int((beam_indices >= 0).sum(dim=1).max())  # the longest hypothesis
+    rows = beam_indices[:, :n_steps]  # (N, n_steps), -1 after a hypothesis ended
+    tokens = sequences[:, sequences.size(1) - n_steps :]  # (N, n_steps)
+    picked = steps[rows.clamp(min=0), torch.arange(n_steps, device=steps.device), tokens]
+    return picked.masked_fill(rows < 0, 0.0)
+
+
 class _Prompt:
     """The checked prompt: ids and/or embeddings, mask, token types, a cache to continue, lengths."""
 
