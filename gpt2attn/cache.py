@@ -1,6 +1,7 @@
 """KV cache: every layer's keys and values, (B, nh, T, hs), in buffers written in place.
 
-A cache filled by one forward pass is passed back as `past_key_values` to continue the
+A cache filled by one forward pass is passed back as `cache` (transformers < 5.24:
+`past_key_values`, which every forward still takes) to continue the
 sequence. `generate()` preallocates the whole length up front, so decoding writes each new
 token's keys/values into place and never concatenates. A cache made by a forward pass with no
 room reserved grows by doubling. `cache[i]` is layer i's `(key, value)` as HF's legacy tuples.
@@ -11,7 +12,9 @@ states (`cross_keys`, `cross_values`): computed by the first pass, reused by the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -187,3 +190,21 @@ def _unflatten_cache(tensors: list[Tensor | None], context: tuple[int, bool]) ->
 
 
 pytree.register_pytree_node(KVCache, _flatten_cache, _unflatten_cache, serialized_type_name="gpt2attn.cache.KVCache")
+
+
+def takes_past_key_values(method: Callable) -> Callable:
+    """Let `method(..., cache=...)` also be called as `method(..., past_key_values=...)`.
+
+    transformers 5.24 renamed its models' cache argument and output field from `past_key_values`
+    to `cache`; code written for either spelling runs on ours.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, past_key_values: Any = None, **kwargs: Any) -> Any:
+        if past_key_values is not None:
+            if kwargs.get("cache") is not None:
+                raise ValueError("pass the cache once, as cache= (or its old name past_key_values=), not both")
+            kwargs["cache"] = past_key_values
+        return method(self, *args, **kwargs)
+
+    return wrapper

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import KVCache
+from .cache import KVCache, takes_past_key_values
 from .config import PROBLEM_TYPES, GPT2Config
 from .layers import get_activation, init_weights
 from .model import GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel, lm_loss
@@ -54,10 +54,11 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         self.num_labels = config.num_labels
         self.score = initialised(nn.Linear(config.n_embd, self.num_labels, bias=False), config)
 
+    @takes_past_key_values
     def forward(
         self,
         input_ids: Tensor | None = None,
-        past_key_values: KVCache | tuple | None = None,
+        cache: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -70,7 +71,7 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         return_dict: bool | None = None,
     ) -> SequenceClassifierOutput | tuple:
         out = self.transformer(
-            input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )
@@ -78,7 +79,7 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         last = last_token_index(input_ids, hidden.shape[:2], self.config.pad_token_id)  # (B,)
         logits = self.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last])  # (B, num_labels)
         loss = None if labels is None else self.sequence_loss(logits, labels)
-        result = SequenceClassifierOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions)
+        result = SequenceClassifierOutput(loss, logits, out.cache, out.hidden_states, out.attentions)
         return _returned(result, return_dict, self.config)
 
     def sequence_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
@@ -116,10 +117,11 @@ class GPT2ForTokenClassification(GPT2HeadModel):
         self.dropout = nn.Dropout(0.1 if p is None else p)
         self.classifier = initialised(nn.Linear(config.n_embd, self.num_labels), config)
 
+    @takes_past_key_values
     def forward(
         self,
         input_ids: Tensor | None = None,
-        past_key_values: KVCache | tuple | None = None,
+        cache: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -132,7 +134,7 @@ class GPT2ForTokenClassification(GPT2HeadModel):
         return_dict: bool | None = None,
     ) -> TokenClassifierOutput | tuple:
         out = self.transformer(
-            input_ids, past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
+            input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )
@@ -240,10 +242,11 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel):
         super().__init__(config)
         self.multiple_choice_head = initialised(SequenceSummary(config, num_labels=1), config)  # a score per choice
 
+    @takes_past_key_values
     def forward(
         self,
         input_ids: Tensor | None = None,
-        past_key_values: KVCache | tuple | None = None,
+        cache: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -263,7 +266,7 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel):
             return t.flatten(0, 1) if t is not None and len(lead) == 2 and t.shape[:2] == lead else t
 
         out = self.transformer(
-            flat(input_ids), past_key_values=past_key_values, attention_mask=flat(attention_mask),
+            flat(input_ids), cache=cache, attention_mask=flat(attention_mask),
             token_type_ids=flat(token_type_ids), position_ids=flat(position_ids), head_mask=head_mask,
             inputs_embeds=flat(inputs_embeds), use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
@@ -281,7 +284,7 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel):
         hidden_states = out.hidden_states
         if hidden_states is not None:  # the last one (after ln_f) shaped like the input, as in transformers
             hidden_states = (*hidden_states[:-1], hidden)
-        result = DoubleHeadsOutput(loss, mc_loss, logits, mc_logits, out.past_key_values, hidden_states, out.attentions)
+        result = DoubleHeadsOutput(loss, mc_loss, logits, mc_logits, out.cache, hidden_states, out.attentions)
         return _returned(result, return_dict, self.config)
 
 

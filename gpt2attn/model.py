@@ -17,7 +17,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
-from .cache import KVCache
+from .cache import KVCache, takes_past_key_values
 from .config import GPT2Config, is_int
 from .layers import Block, encoder_attention, init_weights, padding_mask
 from .outputs import BaseModelOutput, CausalLMOutput
@@ -257,10 +257,11 @@ class GPT2Model(GPT2PreTrainedModel):
         self.checkpoint_offload = False
         init_weights(self, config)
 
+    @takes_past_key_values
     def forward(
         self,
         input_ids: Tensor | list | None = None,
-        past_key_values: KVCache | tuple | None = None,
+        cache: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -287,7 +288,7 @@ class GPT2Model(GPT2PreTrainedModel):
         device = self.wte.weight.device
         input_ids, inputs_embeds = _check_inputs(cfg, input_ids, inputs_embeds, self.wte.weight.dtype, device)
         B, T = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        cache = _as_cache(past_key_values, cfg, self.wte.weight.dtype)
+        cache = _as_cache(cache, cfg, self.wte.weight.dtype)
         if cache is None and use_cache:
             cache = KVCache(cfg.n_layer)
         past_len = cache.length if cache is not None else 0
@@ -345,7 +346,7 @@ class GPT2Model(GPT2PreTrainedModel):
 
         out = BaseModelOutput(
             last_hidden_state=x,
-            past_key_values=cache if use_cache else None,
+            cache=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(all_weights) if all_weights is not None else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,  # () without encoder states
@@ -375,10 +376,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @takes_past_key_values
     def forward(
         self,
         input_ids: Tensor | list | None = None,
-        past_key_values: KVCache | tuple | None = None,
+        cache: KVCache | tuple | None = None,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -395,7 +397,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
     ) -> CausalLMOutput | tuple:
         out = self.transformer(
             input_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -412,14 +414,15 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         loss = None
         if labels is not None:
             loss = lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch)
-        out = CausalLMOutput(loss, logits, out.past_key_values, out.hidden_states, out.attentions, out.cross_attentions)
+        out = CausalLMOutput(loss, logits, out.cache, out.hidden_states, out.attentions, out.cross_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
 
+    @takes_past_key_values
     def prepare_inputs_for_generation(
         self,
         input_ids: Tensor,
-        past_key_values: Any = None,
+        cache: Any = None,
         attention_mask: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
         position_ids: Tensor | None = None,
@@ -430,7 +433,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         """forward's arguments for the next decoding step, as transformers' generate builds them:
         with a cache only the ids it does not hold yet; position ids counted from the attention
         mask (so left padding works); inputs_embeds only before anything is cached."""
-        past_len = _cached_length(past_key_values)
+        past_len = _cached_length(cache)
         next_len = kwargs.pop("next_sequence_length", None)
         for key in ("labels", "is_first_iteration"):  # generate's bookkeeping, not forward's arguments
             kwargs.pop(key, None)
@@ -447,7 +450,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             T = inputs_embeds.size(1)
         return {
             **inputs,
-            "past_key_values": past_key_values,
+            "cache": cache,
             "attention_mask": attention_mask,
             "position_ids": position_ids[:, -T:] if position_ids is not None else None,
             "token_type_ids": token_type_ids[:, -T:] if token_type_ids is not None else None,

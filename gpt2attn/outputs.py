@@ -67,8 +67,13 @@ class ModelOutput(OrderedDict):
 
     def __getitem__(self, key: str | int | slice) -> Any:
         if isinstance(key, str):
-            return super().__getitem__(key)
+            return super().__getitem__("cache" if key == "past_key_values" else key)
         return self.to_tuple()[key]
+
+    @property
+    def past_key_values(self) -> Any:
+        """The field's name before transformers 5.24 (now `cache`), kept for code that uses it."""
+        return self.cache
 
     def __delitem__(self, key: str) -> None:
         raise TypeError(f"fields of {type(self).__name__} cannot be deleted; set them to None")
@@ -102,7 +107,7 @@ class BaseModelOutput(ModelOutput):
     """GPT2Model: transformers' BaseModelOutputWithPastAndCrossAttentions."""
 
     last_hidden_state: Tensor | None = None
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
     hidden_states: tuple[Tensor, ...] | None = None  # embeddings, then each block (the last after ln_f)
     attentions: tuple[Tensor, ...] | None = None  # per layer (B, nh, T_q, T_k)
     cross_attentions: tuple[Tensor, ...] | None = None  # per layer (B, nh, T_q, T_encoder)
@@ -114,7 +119,7 @@ class CausalLMOutput(ModelOutput):
 
     loss: Tensor | None = None
     logits: Tensor | None = None  # (B, T, vocab)
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
     cross_attentions: tuple[Tensor, ...] | None = None
@@ -126,7 +131,7 @@ class SequenceClassifierOutput(ModelOutput):
 
     loss: Tensor | None = None
     logits: Tensor | None = None  # (B, num_labels)
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
 
@@ -160,6 +165,6 @@ class DoubleHeadsOutput(ModelOutput):
     mc_loss: Tensor | None = None
     logits: Tensor | None = None  # (B, n_choices, T, vocab)
     mc_logits: Tensor | None = None  # (B, n_choices)
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None

@@ -270,7 +270,7 @@ def test_cli_samples_differ_and_beams_run(tmp_path, capsys, models):
 def test_generate_outputs_read_as_transformers_outputs(models):
     model, _ = models
     out = model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
-    assert out["sequences"] is out.sequences is out[0] and list(out.keys()) == ["sequences", "scores", "past_key_values"]
+    assert out["sequences"] is out.sequences is out[0] and list(out.keys()) == ["sequences", "scores", "cache"]
     beams = model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, num_beams=2, return_dict_in_generate=True)
     assert "sequences_scores" not in beams and beams.beam_indices.shape == (1, 3)
 

@@ -137,7 +137,7 @@ def _ids(shape, seed=0):
 def test_config_sets_forward_defaults_as_in_transformers(twins, field):
     ours, theirs = twins
     ids = _ids((2, 5))
-    key = {"output_attentions": "attentions", "output_hidden_states": "hidden_states", "use_cache": "past_key_values"}[field]
+    key = {"output_attentions": "attentions", "output_hidden_states": "hidden_states", "use_cache": "cache"}[field]
     default = getattr(ours.config, field)
     try:
         for value in (True, False):

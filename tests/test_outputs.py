@@ -79,3 +79,20 @@ def test_outputs_pickle(models):
     assert list(back) == list(out)
     torch.testing.assert_close(back.logits, out.logits)
     assert isinstance(out, dict) and isinstance(transformers.modeling_outputs.CausalLMOutput(), dict)
+
+
+def test_cache_takes_both_names_as_transformers_5_24_and_earlier(models):
+    """transformers 5.24 renamed `past_key_values` to `cache`; code written with either name runs."""
+    ours, theirs = models
+    ids = torch.randint(0, ours.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    first = ours(ids[:, :5])
+    assert first.past_key_values is first.cache and first["past_key_values"] is first["cache"]
+    full = theirs(ids).logits[:, 5:]
+    for name in ("cache", "past_key_values"):
+        past = ours(ids[:, :5]).cache
+        step = ours(ids[:, 5:], **{name: past}).logits
+        torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        ours(ids[:, 5:], cache=first.cache, past_key_values=first.cache)
+    generated = ours.generate(ids[:, :5], cache=ours(ids[:, :4]).cache, max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(generated, ours.generate(ids[:, :5], max_new_tokens=3, do_sample=False))

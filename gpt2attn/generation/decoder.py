@@ -51,7 +51,7 @@ class Decoder:
                 self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
             else:
                 kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
-        hidden = self.model.transformer(ids, inputs_embeds=embeds, past_key_values=self.cache, use_cache=True,
+        hidden = self.model.transformer(ids, inputs_embeds=embeds, cache=self.cache, use_cache=True,
                                         return_dict=True, **kwargs)
         h = hidden.last_hidden_state
         return self.model.lm_head(h if all_positions else h[:, -1]).float()  # (N, [k,] V)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..cache import KVCache
+from ..cache import KVCache, takes_past_key_values
 from ..outputs import ModelOutput
 from .config import GenerationConfig
 from .decoder import Decoder
@@ -30,7 +30,7 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     sequences: Tensor
     scores: tuple[Tensor, ...] | None = None  # per step (N, V), after the processors
     logits: tuple[Tensor, ...] | None = None  # per step (N, V), raw
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
 
 
 @dataclass
@@ -42,9 +42,10 @@ class GenerateBeamDecoderOnlyOutput(ModelOutput):
     scores: tuple[Tensor, ...] | None = None  # per step (B * num_beams, V): processed log-probabilities
     logits: tuple[Tensor, ...] | None = None
     beam_indices: Tensor | None = None  # (B * num_return_sequences, new): the row each token came from
-    past_key_values: KVCache | None = None
+    cache: KVCache | None = None
 
 
+@takes_past_key_values
 def generate(
     model,
     input_ids: Tensor | None = None,
@@ -52,7 +53,7 @@ def generate(
     attention_mask: Tensor | None = None,
     token_type_ids: Tensor | None = None,
     inputs_embeds: Tensor | None = None,
-    past_key_values: Any = None,
+    cache: Any = None,
     generator: torch.Generator | None = None,
     stream: bool = False,
     tokenizer: Any = None,
@@ -71,7 +72,7 @@ def generate(
     cfg.check(mcfg.vocab_size)
     if cfg.pad_token_id is None and cfg.eos_ids:
         cfg.pad_token_id = cfg.eos_ids[0]  # as transformers does for open-ended generation
-    prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, past_key_values)
+    prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, cache)
     if stream and cfg.num_beams > 1:
         raise ValueError("stream=True works with greedy decoding and sampling, not with beam search (num_beams > 1)")
     if cfg.stop_strings is not None and tokenizer is None:
@@ -107,7 +108,7 @@ def generate(
                 scores=tuple(record["scores"]) if cfg.output_scores else None,
                 logits=tuple(record["logits"]) if cfg.output_logits else None,
                 beam_indices=origin,
-                past_key_values=dec.cache,
+                cache=dec.cache,
             )
     if assisted:
         from .assisted import assisted_search, draft_from_assistant, draft_from_prompt
@@ -128,7 +129,7 @@ def generate(
         sequences=sequences,
         scores=tuple(record["scores"]) if cfg.output_scores else None,
         logits=tuple(record["logits"]) if cfg.output_logits else None,
-        past_key_values=dec.cache,
+        cache=dec.cache,
     )
 
 

@@ -83,7 +83,8 @@ def beam_search(dec, logits: Tensor, out: Tensor, prompt_len: int, cfg, chain: l
         if cfg.do_sample:
             total = (log_probs.view(B, nb, V) + running_scores[:, :, None]).view(B, nb * V)
             pick = torch.multinomial(total.softmax(dim=-1), n_keep, generator=generator)  # (B, K)
-            cand_scores = total.gather(1, pick)
+            cand_scores, order = total.gather(1, pick).sort(dim=-1, descending=True)  # best first, as top-k gives
+            pick = pick.gather(1, order)
         else:
             # The best K of all nb * V continuations are among each beam's own best K: pick those
             # per row (a quarter of the work of one top-k over nb * V), then the best K of nb * K.

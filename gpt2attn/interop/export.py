@@ -43,7 +43,7 @@ class Prefill(nn.Module):
 
     def forward(self, input_ids: Tensor) -> tuple[Tensor, ...]:
         out = self.model(input_ids, use_cache=True, return_dict=True)
-        return (out.logits, *_flatten(out.past_key_values))
+        return (out.logits, *_flatten(out.cache))
 
 
 class DecodeStep(nn.Module):
@@ -55,8 +55,8 @@ class DecodeStep(nn.Module):
 
     def forward(self, input_ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         pairs = tuple(zip(past[0::2], past[1::2]))  # ((key, value), ...) per layer
-        out = self.model(input_ids, past_key_values=pairs, use_cache=True, return_dict=True)
-        return (out.logits, *_flatten(out.past_key_values))
+        out = self.model(input_ids, cache=pairs, use_cache=True, return_dict=True)
+        return (out.logits, *_flatten(out.cache))
 
 
 STEPS = {"forward": Forward, "prefill": Prefill, "decode": DecodeStep}
