@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .config import CONFIG_NAME
+from .hub import resolve
+
 FP32_TOL = 1e-4  # fp32 kernels differ in summation order only
 HALF_FACTOR = 1.5  # half precision: at most this multiple of transformers' own rounding error
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,8 +83,6 @@ def load_reference(transformers, src: Any, ours, dtype: torch.dtype | None):
     """transformers' GPT2LMHeadModel (eager attention, so it returns attention weights): from
     the folder itself when it is an HF folder, else (TF checkpoint, single file, state dict)
     from our loaded weights, as transformers cannot read those sources."""
-    from .checkpoint import CONFIG_NAME, resolve
-
     folder = resolve(src) if not isinstance(src, dict) else None
     if folder is not None and folder.is_dir() and (folder / CONFIG_NAME).exists():
         hf = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="eager")

@@ -37,7 +37,7 @@ def add_arguments(parser) -> None:
 
 
 def is_model_file(name: str) -> bool:
-    from ..checkpoint import MODEL_FILE
+    from ..formats.hf import MODEL_FILE
 
     return bool(MODEL_FILE.fullmatch(name) or name in TOKENIZER_FILES or OLD_MODEL_FILES.fullmatch(name))
 
@@ -45,8 +45,9 @@ def is_model_file(name: str) -> bool:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..checkpoint import resolve, write_model
+    from ..formats.hf import write_model
     from ..files import link_or_copy, replace_folder
+    from ..hub import resolve
     from ..model import GPT2LMHeadModel
 
     dst = Path(args.dst)

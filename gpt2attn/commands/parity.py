@@ -23,7 +23,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from ..checkpoint import resolve, resolve_dtype
+    from ..formats.state_dict import resolve_dtype
+    from ..hub import resolve
     from ..model import GPT2LMHeadModel
     from ..parity import compare, import_transformers, load_reference, tokenize
 
