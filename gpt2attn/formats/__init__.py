@@ -26,10 +26,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import hf, nanogpt, openai_tf
+from . import hf, llmc, nanogpt, openai_tf
 
 # detect() is asked in this order: llm.c's .bin (its magic) before hf, which takes any other .bin.
-FORMATS = (nanogpt, openai_tf, hf)
+FORMATS = (llmc, nanogpt, openai_tf, hf)
 
 
 def detect_format(path: str | os.PathLike):
