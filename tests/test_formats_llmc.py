@@ -123,3 +123,23 @@ def test_unknown_dtype_is_refused(tmp_path):
     with pytest.raises(ValueError, match="llm.c stores fp32 or bf16 tensors, not fp16"):
         save(GPT2LMHeadModel(tiny_config()), tmp_path / "m.bin", dtype="fp16")
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_convert_writes_llmc_by_suffix_and_reads_it_back(tmp_path, capsys):
+    from gpt2attn.cli import main
+
+    model = randomize(GPT2LMHeadModel(tiny_config()))
+    model.save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "m.bin"), "--dtype", "bf16"]) == 0
+    assert header_ints(tmp_path / "m.bin")[:2] == [20240326, 5]
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "m.bin")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor.to(torch.bfloat16)), name
+    assert main(["convert", str(FP32), str(tmp_path / "m.bin")]) == 2  # exists: needs --overwrite
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", str(FP32), str(tmp_path / "m.bin"), "--overwrite"]) == 0
+    assert (tmp_path / "m.bin").read_bytes() == FP32.read_bytes()
+    assert main(["convert", str(FP32), str(tmp_path / "folder")]) == 0  # no suffix: an HF folder
+    assert (tmp_path / "folder" / "model.safetensors").is_file()
+    assert main(["convert", str(FP32), str(tmp_path / "out.pt")]) == 2
+    assert "reads nanogpt files (.pt) but does not write them" in capsys.readouterr().err
