@@ -143,3 +143,38 @@ def test_convert_writes_llmc_by_suffix_and_reads_it_back(tmp_path, capsys):
     assert (tmp_path / "folder" / "model.safetensors").is_file()
     assert main(["convert", str(FP32), str(tmp_path / "out.pt")]) == 2
     assert "reads nanogpt files (.pt) but does not write them" in capsys.readouterr().err
+
+
+def table(out: str) -> dict[str, list[str]]:
+    return {line[:10].strip(): line[10:].split() for line in out.splitlines()
+            if line.startswith(("embedding", "layer ", "logits"))}
+
+
+@torch.no_grad()
+def test_parity_between_two_sources_shows_where_bf16_departs(tmp_path, capsys):
+    from gpt2attn.cli import main
+
+    assert main(["parity", str(FP32), str(BF16), "--tokens", "8", "--batch", "2"]) == 1
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert list(rows) == ["embedding", "layer 0", "layer 1", "logits"]
+    assert all(row[-1] == "NO" for row in rows.values()) and out.rstrip().splitlines()[-1].startswith("FAIL")
+    assert "dtype: A torch.float32, B torch.float32" in out  # the bf16 file upcast: its rounding alone
+    tokens = torch.randint(0, 50257, (2, 8), generator=torch.Generator().manual_seed(0))
+    a, b = (GPT2LMHeadModel.from_pretrained(p, dtype="float32")(tokens).logits for p in (FP32, BF16))
+    assert float(rows["logits"][0]) == pytest.approx((a - b).abs().max().item(), rel=1e-3)
+    # the same weights in another format: no departure at all; and B defaults to transformers
+    assert main(["convert", str(FP32), str(tmp_path / "hf")]) == 0
+    assert main(["parity", str(FP32), str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert all(float(row[0]) == 0 for row in table(out).values()) and "PASS" in out
+    assert main(["parity", str(FP32)]) == 0
+    assert "transformers loaded gpt2attn's loaded weights" in capsys.readouterr().out
+
+
+def test_parity_refuses_two_different_models(tmp_path, capsys):
+    from gpt2attn.cli import main
+
+    randomize(GPT2LMHeadModel(tiny_config())).save_pretrained(tmp_path / "other")
+    assert main(["parity", str(FP32), str(tmp_path / "other")]) == 2
+    assert "are models of different sizes (vocab_size 50257 vs 97" in capsys.readouterr().err
