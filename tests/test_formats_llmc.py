@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.formats import detect_format, hf, llmc, save
-from helpers import randomize, tiny_config
+from helpers import mapped_ranges, randomize, tiny_config
 
 DATA = Path(__file__).parent / "data" / "llmc"
 FP32, BF16 = DATA / "tiny_fp32.bin", DATA / "tiny_bf16.bin"
@@ -55,6 +57,16 @@ def test_round_trip_is_exact_and_pads_the_vocabulary(tmp_path):
     padded = torch.frombuffer(bytearray((tmp_path / "m.bin").read_bytes()[1024 : 1024 + 128 * 32 * 4]),
                               dtype=torch.float32).view(128, 32)
     assert torch.equal(padded[:100], model.transformer.wte.weight) and not padded[100:].any()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+def test_weights_are_views_of_the_mapped_file(tmp_path):
+    shutil.copy(FP32, tmp_path / "m.bin")
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "m.bin")
+    ranges = mapped_ranges((tmp_path / "m.bin").resolve())
+    assert ranges
+    for name, p in model.named_parameters():
+        assert any(start <= p.data_ptr() < end for start, end in ranges), name
 
 
 def test_dtype_and_device_apply_while_loading():
