@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..config import GPT2Config
 from ..files import write_atomic
-from .state_dict import normalize_keys
+from .state_dict import DTYPE_NAMES, normalize_keys
 
 NAME = "llmc"
 SUFFIXES = (".bin",)
@@ -35,7 +35,6 @@ VERSIONS = {3: torch.float32, 5: torch.bfloat16}
 VERSION_OF = {dtype: version for version, dtype in VERSIONS.items()}
 SIZE_FIELDS = ("maxT", "V", "L", "H", "C", "Vp")  # header[2..7]
 VOCAB_MULTIPLE = 128  # llm.c's pad_vocab rounds V up to a multiple of this
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # The per-layer tensors in llm.c's order (each for all L layers before the next).
 LAYER_TENSORS = (
     "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
@@ -141,7 +140,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         raise ValueError(f"{path}: cannot write an llm.c file: the state dict has no {', '.join(missing)}")
     if dtype is None:
         dtype = torch.bfloat16 if state["transformer.wte.weight"].dtype == torch.bfloat16 else torch.float32
-    stored = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(str(dtype))
+    stored = dtype if isinstance(dtype, torch.dtype) else DTYPE_NAMES.get(str(dtype))
     if stored not in VERSION_OF:
         raise ValueError(f"{path}: llm.c stores fp32 or bf16 tensors, not {dtype}")
     check_writable(path, state, config)
