@@ -28,7 +28,7 @@ from .state_dict import infer_config, read_bin, torch_load
 
 NAME = "hf"
 SUFFIXES = ("",)  # a folder: convert writes one for any destination without another format's suffix
-FILE_SUFFIXES = (".safetensors", ".bin")
+FILE_SUFFIXES = (".safetensors", ".bin", ".pth")  # .pth: a PyTorch state dict, as .bin
 
 # safetensors dtype codes <-> torch dtypes.
 SAFE_DTYPES = {
