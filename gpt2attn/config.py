@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .files import write_text_atomic
+from .hub import resolve  # hub names go through huggingface_hub's cache, as for models
 
 CONFIG_NAME = "config.json"
 
@@ -249,8 +250,6 @@ class GPT2Config:
     def from_pretrained(cls, src: str | os.PathLike, cache_dir: Any = None, local_files_only: bool = False,
                         **kwargs: Any) -> "GPT2Config":
         """The config.json of a model folder, a config file or a hub name; kwargs override its keys."""
-        from .checkpoint import resolve  # hub names go through huggingface_hub's cache, as for models
-
         path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
         if path.is_dir():
             path = path / CONFIG_NAME

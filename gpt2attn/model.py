@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from .attention import causal_mask
 from .cache import KVCache, takes_past_key_values
 from .config import GPT2Config, is_int
+from .formats.hf import save_pretrained
 from .layers import Block, encoder_attention, init_weights, padding_mask
+from .loader import from_pretrained
 from .outputs import BaseModelOutput, CausalLMOutput
 
 
@@ -68,8 +70,6 @@ class GPT2PreTrainedModel(nn.Module):
                         **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
         quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
-        from .checkpoint import from_pretrained
-
         model = from_pretrained(cls, src, dtype=dtype, device=device, **kwargs)
         return model.quantize(quantize) if quantize is not None else model
 
@@ -81,8 +81,6 @@ class GPT2PreTrainedModel(nn.Module):
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
         """Write an HF model folder (config.json + safetensors) that `transformers` opens."""
-        from .checkpoint import save_pretrained
-
         save_pretrained(self, save_directory, **kwargs)
 
     @classmethod

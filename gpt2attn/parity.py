@@ -1,4 +1,6 @@
-"""Parity report: one checkpoint in gpt2attn and in `transformers`, compared layer by layer.
+"""Parity report: one checkpoint in gpt2attn and in `transformers`, compared layer by layer; or two
+sources (an fp32 original and its bf16 or quantized copy, say), both in gpt2attn, to see where and
+how far the second departs from the first.
 
 In float32 a difference passes when max|ours - theirs| <= tol * max(1, max|theirs|): the
 tolerance is absolute for values near 1 and relative for large activations (GPT-2's residual
@@ -19,6 +21,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .config import CONFIG_NAME
+from .hub import resolve
 
 FP32_TOL = 1e-4  # fp32 kernels differ in summation order only
 HALF_FACTOR = 1.5  # half precision: at most this multiple of transformers' own rounding error
@@ -44,7 +49,7 @@ class ParityReport:
     greedy_agreement: float  # fraction of positions whose argmax token agrees
     greedy_flips: int  # disagreements that are not near-ties (see compare)
     rule: str  # how `allowed` was set
-    hf_source: str  # how transformers got the weights
+    reference: str  # what was compared with: "transformers loaded ...", or the second source
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -52,7 +57,7 @@ class ParityReport:
         return self.greedy_flips == 0 and all(row.ok for row in self.rows)
 
     def format(self) -> str:
-        lines = [f"transformers loaded {self.hf_source}", *self.notes, ""]
+        lines = [self.reference, *self.notes, ""]
         lines.append(f"{'':<10} {'max|diff| hidden':>17} {'allowed':>10} {'max|diff| attn':>15} {'allowed':>10}  ok")
         for row in self.rows:
             attn = (f"{row.attention_diff:15.3e} {row.attention_allowed:10.3e}" if row.attention_diff is not None
@@ -80,22 +85,22 @@ def load_reference(transformers, src: Any, ours, dtype: torch.dtype | None):
     """transformers' GPT2LMHeadModel (eager attention, so it returns attention weights): from
     the folder itself when it is an HF folder, else (TF checkpoint, single file, state dict)
     from our loaded weights, as transformers cannot read those sources."""
-    from .checkpoint import CONFIG_NAME, resolve
-
     folder = resolve(src) if not isinstance(src, dict) else None
     if folder is not None and folder.is_dir() and (folder / CONFIG_NAME).exists():
         hf = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
-        return hf.eval(), f"{folder} itself"
+        return hf.eval(), f"transformers loaded {folder} itself"
     hf_config = transformers.GPT2Config.from_dict(ours.config.to_dict())
     hf_config._attn_implementation = "eager"
     hf = transformers.GPT2LMHeadModel(hf_config).to(ours.dtype)
     hf.load_state_dict(ours.state_dict())
-    return hf.eval(), "gpt2attn's loaded weights (it cannot read this source format itself)"
+    return hf.eval(), "transformers loaded gpt2attn's loaded weights (it cannot read this source format itself)"
 
 
 @torch.no_grad()
-def compare(ours, reference, input_ids: Tensor, tol: float | None = None, hf_source: str = "") -> ParityReport:
-    """Run both models on input_ids (B, T) and compare every hidden state, attention and logit."""
+def compare(ours, reference, input_ids: Tensor, tol: float | None = None, described: str = "",
+            reference_name: str = "transformers") -> ParityReport:
+    """Run both models on input_ids (B, T) and compare every hidden state, attention and logit.
+    reference is transformers' model or a second gpt2attn one (reference_name says which)."""
     if tol is not None and not tol > 0:
         raise ValueError(f"the tolerance must be > 0, got {tol}")
 
@@ -107,7 +112,8 @@ def compare(ours, reference, input_ids: Tensor, tol: float | None = None, hf_sou
     if ours.dtype in HALF_DTYPES:  # measured against transformers in fp32 on the same weights
         factor = tol if tol is not None else HALF_FACTOR
         target, target_attn = outputs(copy.deepcopy(reference).float())
-        rule = (f"{ours.dtype}: error vs transformers in float32 at most {factor:g}x transformers' own "
+        owner = reference_name + ("'" if reference_name.endswith("s") else "'s")
+        rule = (f"{ours.dtype}: error vs {reference_name} in float32 at most {factor:g}x {owner} own "
                 f"error in {ours.dtype}, + {FP32_TOL:g} relative")
 
         def allowed(theirs: Tensor, exact: Tensor) -> float:
@@ -131,7 +137,17 @@ def compare(ours, reference, input_ids: Tensor, tol: float | None = None, hf_sou
     # that rounding may flip (common in half precision), beyond it a real disagreement.
     gap = b[-1].max(-1).values - b[-1].gather(-1, ours_tokens[..., None])[..., 0]  # (B, T)
     flips = int((gap.float() > rows[-1].allowed).sum())
-    return ParityReport(rows, agreement, flips, rule, hf_source)
+    return ParityReport(rows, agreement, flips, rule, described)
+
+
+def check_same_shape(a, b, a_name: str, b_name: str) -> None:
+    """Two models whose hidden states can be compared: the same sizes, named when they differ."""
+    fields = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    differ = [f"{k} {getattr(a.config, k)} vs {getattr(b.config, k)}" for k in fields
+              if getattr(a.config, k) != getattr(b.config, k)]
+    if differ:
+        raise ValueError(f"{a_name} and {b_name} are models of different sizes ({'; '.join(differ)}): "
+                         f"parity compares two copies of one model")
 
 
 def max_abs(t: Tensor) -> float:

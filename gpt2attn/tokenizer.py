@@ -14,13 +14,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from .hub import resolve
+
 EOS_TOKEN = "<|endoftext|>"
 
 
 def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
     """The tokenizer stored in folder src (or a tokenizer.json file, or a hub model's folder)."""
-    from .checkpoint import resolve
-
     path = resolve(src, cache_dir)
     if path.is_file():
         return _tokenizer_json(path)

@@ -1,4 +1,5 @@
-"""Loading a gpt2-small-sized safetensors checkpoint: gpt2attn vs transformers.
+"""Loading a gpt2-small-sized safetensors checkpoint: gpt2attn vs transformers; and gpt2attn
+loading the same weights from an llm.c model file (gpt2_124M.bin, fp32).
 
 `python scripts/bench.py load [--repeats N]` writes a random 124M-parameter checkpoint to a
 temporary folder, then times `GPT2LMHeadModel.from_pretrained` in fresh processes (ours and
@@ -26,7 +27,7 @@ CHILD = r"""
 import json, sys, time
 import torch
 lib, folder = sys.argv[1:3]
-if lib == "gpt2attn":
+if lib.startswith("gpt2attn"):
     from gpt2attn import GPT2LMHeadModel
 else:
     from transformers import GPT2LMHeadModel
@@ -58,21 +59,24 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from gpt2attn import GPT2Config, GPT2LMHeadModel
+    from gpt2attn.formats import save
 
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         torch.manual_seed(0)
         GPT2LMHeadModel(GPT2Config()).save_pretrained(folder)  # gpt2-small shapes, random weights
+        save(GPT2LMHeadModel.from_pretrained(folder), folder / "gpt2_124M.bin", dtype="fp32")
         ckpt_mib = (folder / "model.safetensors").stat().st_size / 2**20
         print(f"checkpoint: {folder / 'model.safetensors'}, {ckpt_mib:.0f} MiB (fp32, gpt2-small shapes)")
-        libs = ("gpt2attn", "transformers")
+        sources = {"gpt2attn": folder, "transformers": folder, "gpt2attn llm.c": folder / "gpt2_124M.bin"}
+        libs = tuple(sources)
         for lib in libs:
-            run_child(lib, folder)  # warm-up: page cache, .pyc files
+            run_child(lib, sources[lib])  # warm-up: page cache, .pyc files
         runs: dict[str, list[dict]] = {lib: [] for lib in libs}
         for _ in range(args.repeats):
             for lib in libs:
-                runs[lib].append(run_child(lib, folder))
+                runs[lib].append(run_child(lib, sources[lib]))
 
     med = {lib: {key: statistics.median(r[key] for r in runs[lib]) for key in runs[lib][0]} for lib in libs}
     print(f"\nmedian of {args.repeats} fresh processes each (imports not timed):")
@@ -88,6 +92,9 @@ def main(argv: list[str]) -> int:
           f"load+forward {theirs['load_forward'] / ours['load_forward']:.2f}x  (target >= 2x)")
     print(f"peak RSS gpt2attn / checkpoint bytes: {ours['rss_peak'] / ckpt_mib:.2f}  (target <= 1.3); "
           f"transformers: {theirs['rss_peak'] / ckpt_mib:.2f}")
+    llmc = med["gpt2attn llm.c"]
+    print(f"gpt2attn, llm.c .bin / safetensors: load {llmc['load'] / ours['load']:.2f}x, "
+          f"load+forward {llmc['load_forward'] / ours['load_forward']:.2f}x")
     return 0
 
 

@@ -69,3 +69,13 @@ def fake_hub_cache(cache, repo_id, model):
     (repo / "refs" / "main").write_text(commit)
     model.save_pretrained(repo / "snapshots" / commit)
     return repo / "snapshots" / commit
+
+
+def mapped_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (Linux /proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            ranges.append((start, end))
+    return ranges

@@ -12,8 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
-from gpt2attn import checkpoint as ckpt
-from helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
+from helpers import fake_hub_cache, hf_twin, mapped_ranges, max_diff, randomize, tiny_config
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60], [9, 9, 70, 1, 33, 12, 96]])
 
@@ -237,16 +236,6 @@ def test_offline_and_not_cached_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE") as err:
         GPT2LMHeadModel.from_pretrained("openai-community/gpt2-medium", cache_dir=tmp_path)
     assert "hf download openai-community/gpt2-medium" in str(err.value)
-
-
-def mapped_ranges(path) -> list[tuple[int, int]]:
-    """Address ranges where this process maps `path` (Linux /proc/self/maps)."""
-    ranges = []
-    for line in open("/proc/self/maps"):
-        if line.rstrip().endswith(str(path)):
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            ranges.append((start, end))
-    return ranges
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")

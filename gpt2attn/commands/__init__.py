@@ -7,7 +7,7 @@ from pathlib import Path
 
 def model_folder(src: str | Path) -> Path:
     """A --model argument as a folder: a local one, or a hub name's cached one (not a weights file)."""
-    from ..checkpoint import resolve
+    from ..hub import resolve
 
     folder = resolve(src)
     if not folder.is_dir():

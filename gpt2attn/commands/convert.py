@@ -1,11 +1,12 @@
-"""`gpt2attn convert SRC DST`: any checkpoint gpt2attn loads -> a Hugging Face model folder."""
+"""`gpt2attn convert SRC DST`: any checkpoint gpt2attn loads -> a Hugging Face model folder, or a file
+of another format picked by DST's suffix (gpt2attn.formats.format_for_suffix: .bin is llm.c)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-HELP = "convert any checkpoint gpt2attn loads (HF, hub, nanoGPT, OpenAI TF) to an HF folder"
+HELP = "convert any checkpoint gpt2attn loads (HF, hub, llm.c, nanoGPT, OpenAI TF) to an HF folder or an llm.c .bin"
 
 # Tokenizer files copied along; OpenAI's names (TF release) get HF's.
 TOKENIZER_FILES = {
@@ -25,28 +26,65 @@ OLD_MODEL_FILES = re.compile(r"hparams\.json|checkpoint|model\.ckpt\..+|ckpt\.pt
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "src", help="HF folder, hub name, .safetensors/.bin file, nanoGPT ckpt.pt, or OpenAI TF checkpoint folder"
+        "src", help="HF folder, hub name, .safetensors/.bin file (an llm.c .bin is told by its magic number), "
+        "nanoGPT ckpt.pt, or OpenAI TF checkpoint folder"
     )
-    parser.add_argument("dst", help="output folder (written beside and swapped in whole: never half a model)")
-    parser.add_argument("--dtype", choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"],
-                        help="store the weights in this dtype (default: as in SRC)")
+    parser.add_argument("dst", help="output: its suffix picks the format: .bin is an llm.c model file, any other name "
+                        "an HF folder (each written beside and swapped in whole: never half a model)")
+    parser.add_argument("--dtype", help="store the weights in this dtype (default: as in SRC): HF folder float32/fp32, "
+                        "float16/fp16, bfloat16/bf16; llm.c fp32, bf16")
     parser.add_argument("--max-shard-size", help="split into shards of at most this size, e.g. 500MB")
     parser.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of safetensors")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the model DST already holds (its weights, config and tokenizer files)")
+                        help="replace the model DST already holds (its weights, config and tokenizer files, or the file)")
 
 
 def is_model_file(name: str) -> bool:
-    from ..checkpoint import MODEL_FILE
+    from ..formats.hf import MODEL_FILE
 
     return bool(MODEL_FILE.fullmatch(name) or name in TOKENIZER_FILES or OLD_MODEL_FILES.fullmatch(name))
 
 
 def run(args) -> int:
+    from ..formats import format_for_suffix, hf
+
+    fmt = format_for_suffix(args.dst)
+    if fmt is not hf:
+        return write_file(args, fmt)
+    return write_folder(args)
+
+
+def write_file(args, fmt) -> int:
+    """DST is one file of a non-HF format (llm.c's .bin): the model as loaded, cast by the format."""
+    from ..hub import resolve
+    from ..model import GPT2LMHeadModel
+    from ..tokenizer import load_tokenizer
+
+    dst = Path(args.dst)
+    if args.bin or args.max_shard_size:
+        raise ValueError(f"--bin and --max-shard-size are for HF folders; {dst} is written as a {fmt.NAME} file")
+    if dst.is_dir():
+        raise ValueError(f"destination {dst} is a folder; a {fmt.NAME} model is one file")
+    if dst.exists() and not args.overwrite:
+        raise ValueError(f"{dst} already exists; pass --overwrite to replace it")
+    model = GPT2LMHeadModel.from_pretrained(args.src)
+    src = resolve(args.src)
+    try:  # the source's tokenizer files, for formats that embed a tokenizer
+        tokenizer = load_tokenizer(src if src.is_dir() else src.parent)
+    except (FileNotFoundError, ValueError):
+        tokenizer = None
+    fmt.write(dst, model.state_dict(), model.config, dtype=args.dtype, tokenizer=tokenizer)
+    print(f"{args.src} -> {dst}: {model.num_parameters():,} parameters, {fmt.NAME} file of "
+          f"{dst.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+def write_folder(args) -> int:
     from tqdm import tqdm
 
-    from ..checkpoint import resolve, write_model
     from ..files import link_or_copy, replace_folder
+    from ..formats.hf import write_model
+    from ..hub import resolve
     from ..model import GPT2LMHeadModel
 
     dst = Path(args.dst)

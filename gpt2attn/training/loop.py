@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import GPT2Config
-from ..checkpoint import torch_load, write_model
 from ..files import link_or_copy, remove_tree, replace_folder, write_atomic, write_text_atomic
+from ..formats.hf import write_model
+from ..formats.state_dict import torch_load
 from ..model import GPT2LMHeadModel
 from . import distributed
 from .config import TrainConfig

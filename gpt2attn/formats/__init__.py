@@ -1,0 +1,73 @@
+"""The formats GPT-2 weights live in, one module each, behind one small interface:
+
+    NAME      short name ('hf', 'llmc', ...)
+    SUFFIXES  destination suffixes that pick this format for writing ('' is a folder)
+    detect(path) -> bool
+              cheap: the suffix, the first bytes, a folder's file names
+    read(path) -> (GPT2Config, state dict with HF GPT2LMHeadModel keys, tokenizer or None)
+    write(path, state_dict, config, *, dtype=None, tokenizer=None)
+              writable formats only; crash-safe (files.py), nothing written on failure
+    weights_file(path) -> Path
+              optional: the file to name in errors about the tensors (default: path)
+
+    state_dict.py  what they share: key conventions, a config from shapes, weights-only torch.load
+    hf.py          Hugging Face folders and .safetensors / .bin files (also save_pretrained)
+    llmc.py        llm.c's gpt2_124M.bin model files (fp32, bf16)
+    nanogpt.py     nanoGPT's ckpt.pt (read)
+    openai_tf.py   OpenAI's TensorFlow release (read; the bundle reader is gpt2attn/tf_checkpoint.py)
+
+FORMATS is the registry: a new format is a new module added there. gpt2attn/loader.py turns what
+read() returns into a model; hub names are found by gpt2attn/hub.py before any format is asked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from . import hf, llmc, nanogpt, openai_tf
+
+# detect() is asked in this order: llm.c's .bin (its magic) before hf, which takes any other .bin.
+FORMATS = (llmc, nanogpt, openai_tf, hf)
+
+
+def detect_format(path: str | os.PathLike):
+    """The format module that reads `path` (a file or folder); an error naming it if none does."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    for fmt in FORMATS:
+        if fmt.detect(path):
+            return fmt
+    if path.is_dir():
+        raise FileNotFoundError(f"{path}: no model found (expected config.json and HF weights, or OpenAI's "
+                                f"hparams.json and {openai_tf.TF_INDEX})")
+    readable = sorted({*hf.FILE_SUFFIXES, *(s for fmt in FORMATS for s in fmt.SUFFIXES if s)})
+    raise ValueError(f"{path}: not a model file gpt2attn reads (suffix {path.suffix!r}; it reads "
+                     f"{', '.join(readable)} files and model folders)")
+
+
+def format_for_suffix(path: str | os.PathLike):
+    """The format that writes `path`, picked by its suffix: .bin is llm.c, .gguf is GGUF, and a name
+    with no other format's suffix is an HF folder. A suffix of a read-only format is an error."""
+    path = Path(path)
+    owners = [fmt for fmt in FORMATS if path.suffix and path.suffix in fmt.SUFFIXES]
+    if not owners:
+        return hf
+    if not hasattr(owners[0], "write"):
+        writable = ", ".join(s for fmt in FORMATS if hasattr(fmt, "write") for s in fmt.SUFFIXES if s)
+        raise ValueError(f"{path}: gpt2attn reads {owners[0].NAME} files ({path.suffix}) but does not write them; "
+                         f"write {writable} or a folder (Hugging Face)")
+    return owners[0]
+
+
+def weights_file(fmt, path: Path) -> Path:
+    return fmt.weights_file(path) if hasattr(fmt, "weights_file") else path
+
+
+def save(model, path: str | os.PathLike, dtype: Any = None, tokenizer: Any = None) -> None:
+    """Write `model` (a GPT2LMHeadModel) to `path` in the format its suffix picks (format_for_suffix);
+    dtype is a name the format knows ('fp32', 'bf16', ...) or None for the model's own."""
+    path = Path(path)
+    format_for_suffix(path).write(path, model.state_dict(), model.config, dtype=dtype, tokenizer=tokenizer)

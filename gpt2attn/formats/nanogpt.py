@@ -1,0 +1,78 @@
+"""nanoGPT's training checkpoints (`out/ckpt.pt`: {'model', 'model_args', 'iter_num', ...}), and
+.pt / .ckpt files that hold a bare GPT-2 state dict. Read only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import GPT2Config
+from .state_dict import infer_config, normalize_keys, read_bin
+
+NAME = "nanogpt"
+SUFFIXES = (".pt", ".ckpt")
+
+# nanoGPT's nn.Linear weights are (out, in); GPT-2's Conv1D stores (in, out).
+NANOGPT_LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+BIASES = ("ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")
+
+
+def detect(path: Path) -> bool:
+    return path.is_file() and path.suffix in SUFFIXES
+
+
+def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
+    """A nanoGPT checkpoint's config and state dict, or a bare state dict and a config from its shapes."""
+    checkpoint = read_bin(path)
+    if all(isinstance(t, Tensor) for t in checkpoint.values()):
+        return infer_config(checkpoint), checkpoint, None
+    config, state = from_nanogpt(checkpoint, str(path))
+    return config, state, None
+
+
+def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, dict[str, Tensor]]:
+    """Config and GPT-2 state dict of a nanoGPT training checkpoint ({'model', 'model_args', ...}),
+    so that the model computes what nanoGPT's does: its MLP uses the exact GELU (nn.GELU()), and a
+    model trained with bias=False gets zero biases. Linear weights are transposed."""
+    missing = [key for key in ("model", "model_args") if key not in checkpoint]
+    if missing:
+        raise ValueError(f"{where}: not a state dict (not every value is a tensor), and not a nanoGPT "
+                         f"checkpoint: no {' or '.join(map(repr, missing))} field")
+    model, args = checkpoint["model"], checkpoint["model_args"]
+    if not isinstance(model, dict) or not all(isinstance(t, Tensor) for t in model.values()):
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model' is not a state dict of tensors")
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' is a {type(args).__name__}, not a dict")
+    missing = [key for key in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head") if key not in args]
+    if missing:
+        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' has no {', '.join(missing)}")
+    dropout = args.get("dropout", 0.0)
+    try:
+        config = GPT2Config(
+            vocab_size=args["vocab_size"],
+            n_positions=args["block_size"],
+            n_embd=args["n_embd"],
+            n_layer=args["n_layer"],
+            n_head=args["n_head"],
+            activation_function="gelu",
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: model_args: {e}") from None
+    state = {}
+    for name, t in normalize_keys(model, prefixed=True).items():
+        state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
+    if not args.get("bias", True):
+        C = config.n_embd
+        widths = {"attn.c_attn.bias": 3 * C, "mlp.c_fc.bias": config.inner_dim}
+        for i in range(config.n_layer):
+            for bias in BIASES:
+                state.setdefault(f"transformer.h.{i}.{bias}", torch.zeros(widths.get(bias, C)))
+        state.setdefault("transformer.ln_f.bias", torch.zeros(C))
+    return config, state

@@ -1,0 +1,115 @@
+"""What the formats share: GPT-2 state dicts with Hugging Face's keys, and PyTorch's pickle files.
+
+normalize_keys fits a state dict's names to a model class, infer_config reads a config from its
+shapes, and torch_load is torch.load restricted to weights (errors name the file).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import GPT2Config
+
+# Old HF checkpoints stored the causal mask as buffers; we build it on the fly.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".crossattention.bias", ".crossattention.masked_bias")
+# The GPT-2 body's keys (GPT2Model's, or under "transformer."); every other key is a head's:
+# lm_head, score, classifier, qa_outputs, multiple_choice_head.
+BODY_PREFIXES = ("wte.", "wpe.", "h.", "ln_f.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# n_head for OpenAI's sizes, used when a bare state dict comes without a config.
+N_HEAD_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def normalize_keys(state: dict[str, Tensor], prefixed: bool) -> dict[str, Tensor]:
+    """Strip DDP / torch.compile prefixes, drop old mask buffers, and fit the body's
+    `transformer.` prefix to the target class (head keys are left as they are)."""
+    out = {}
+    for name, tensor in state.items():
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name.startswith(("transformer.", *BODY_PREFIXES)):
+            body = name.removeprefix("transformer.")
+            name = "transformer." + body if prefixed else body
+        out[name] = tensor
+    return out
+
+
+def infer_config(state: dict[str, Tensor]) -> GPT2Config:
+    """A config from a bare state dict's shapes (n_head from OpenAI's sizes)."""
+    state = normalize_keys(state, prefixed=False)
+    if "wte.weight" not in state or "wpe.weight" not in state:
+        raise ValueError("state dict has no wte.weight / wpe.weight: is it a GPT-2 state dict?")
+    vocab_size, n_embd = state["wte.weight"].shape
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"h\.(\d+)\.", k))}
+    if n_embd not in N_HEAD_BY_WIDTH:
+        raise ValueError(f"cannot tell n_head for width {n_embd}: pass config=GPT2Config(...) with the state dict")
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=state["wpe.weight"].shape[0],
+        n_embd=n_embd,
+        n_layer=len(layers),
+        n_head=N_HEAD_BY_WIDTH[n_embd],
+        n_inner=state["h.0.mlp.c_fc.weight"].shape[1] if "h.0.mlp.c_fc.weight" in state else None,
+    )
+
+
+def read_bin(path: Path) -> dict[str, Tensor]:
+    state = torch_load(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def torch_load(path: Path) -> Any:
+    """torch.load with weights_only=True (memory-mapped when the file is in the zip format);
+    errors name the file and say whether it was refused or could not be read."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise refused(path, e) from None
+    except Exception:  # RuntimeError, EOFError, ...: maybe the pre-zip format, which cannot be mapped
+        pass
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise refused(path, e) from None
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+
+
+def refused(path: Path, error: Exception) -> ValueError:
+    """The error for a pickle that weights-only loading refuses (it would run or build objects)."""
+    message = str(error)
+    if "Weights only load failed" not in message:
+        return ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {message}")
+    what = re.search(r"GLOBAL [\w.]+", message)
+    return ValueError(f"{path}: refused: holds objects that weights-only loading does not allow"
+                      + (f" ({what.group(0)})" if what else ""))
+
+
+def resolve_dtype(dtype: Any, config: GPT2Config) -> torch.dtype | None:
+    """None, a torch dtype, a name, or 'auto' (config.json's torch_dtype / dtype, if any)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = config.extra.get("torch_dtype") or config.extra.get("dtype")
+        return DTYPE_NAMES[name] if name in DTYPE_NAMES else None
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)} or 'auto'")
+    return DTYPE_NAMES[name]

@@ -1,0 +1,164 @@
+"""from_pretrained: a model class built around the weights of any source gpt2attn reads.
+
+A source is a state dict (or a nanoGPT checkpoint dict), a local file or folder, or a hub name
+(gpt2attn/hub.py). formats/ detects the format and reads a config and an HF-keyed state dict; here
+the model is built on the meta device and the checked tensors are assigned into it, so weights are
+materialised once (memory-mapped files stay mapped until a dtype or device change copies them).
+The class is given by the caller (model.py), so this module never imports the models.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import GPT2Config
+from .formats import detect_format, weights_file
+from .formats.nanogpt import from_nanogpt
+from .formats.state_dict import BODY_PREFIXES, infer_config, normalize_keys, resolve_dtype
+from .generation.config import load_generation_config
+from .hub import resolve
+from .layers import init_weights
+
+
+def from_pretrained(
+    cls: type,
+    src: Any,
+    dtype: Any = None,
+    device: Any = None,
+    config: GPT2Config | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    torch_dtype: Any = None,
+    **config_kwargs: Any,
+):
+    """Build `cls` (GPT2Model, GPT2LMHeadModel or a head) with the weights of `src`, in eval mode.
+
+    dtype: None (as stored), a torch dtype, a name ('bf16', 'float16', ...) or 'auto' (the
+    config's torch_dtype). device: where the weights go. Both apply while loading. Other keywords
+    override config fields, as in transformers (`num_labels=3`, `pad_token_id=50256`).
+    """
+    dtype = dtype if dtype is not None else torch_dtype
+    path = None
+    if isinstance(src, dict) and not all(isinstance(t, Tensor) for t in src.values()):
+        nanogpt_config, state = from_nanogpt(src, "state dict")  # a training checkpoint, not a state dict
+        config, where = config or nanogpt_config, "state dict"
+    elif isinstance(src, dict):
+        state, where = src, "state dict"
+        config = config or infer_config(state)
+    else:
+        path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
+        fmt = detect_format(path)
+        stored_config, state, _tokenizer = fmt.read(path)
+        config, where = config or stored_config, str(weights_file(fmt, path))
+    if config_kwargs:  # set on a copy after it is read, so num_labels=3 replaces id2label, as in transformers
+        config = GPT2Config.from_dict(config.to_dict())
+        for key, value in config_kwargs.items():
+            setattr(config, key, value)
+        config.validate()
+    # A caller's state dict is copied, so the new model does not share storage with its source.
+    copy = isinstance(src, dict)
+    model = build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
+    if path is not None and path.is_dir() and hasattr(cls, "generate"):
+        load_generation_config(model, path)
+    return model
+
+
+def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str, copy: bool):
+    """A `cls` on the meta device, then the checked tensors assigned into it."""
+    with torch.device("meta"), no_random_init():
+        model = cls(config)
+    expected = model.state_dict()  # meta tensors: names and shapes only
+    state = normalize_keys(state, prefixed="transformer.wte.weight" in expected)
+    tied = "lm_head.weight" in expected and (config.tie_word_embeddings or "lm_head.weight" not in state)
+    if tied:
+        state.pop("lm_head.weight", None)
+    skip = {"lm_head.weight"} if tied else set()
+    new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
+    check_state(state, expected, skip=skip | set(new_head), where=where)
+    device = torch.device(device) if device is not None else None
+    if new_head:
+        stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+        init_new_head(model, new_head, config, device, dtype or stored)
+    state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:  # by the config, or because the checkpoint has no head of its own
+        model.lm_head.weight = model.transformer.wte.weight
+    return model.eval()
+
+
+@contextmanager
+def no_random_init():
+    """Make torch.nn.init's fills no-ops while a model is built on the meta device: the values
+    would be thrown away, and the first meta normal_() of a process costs over a second."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None, copy: bool) -> Tensor:
+    """Move to device / dtype in one step (floating tensors only change dtype)."""
+    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return t.detach().to(device=device if device is not None else t.device, dtype=target, copy=copy)
+
+
+def fit_head_keys(
+    state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], cls: str, where: str
+) -> list[str]:
+    """A checkpoint of one head class loaded into another, as transformers does it: head weights
+    the model has no place for are dropped, and head weights it lacks are to be newly initialised,
+    each with a warning naming the keys. Removes the former from `state`; returns the latter."""
+    def is_head(key: str) -> bool:
+        return not key.startswith(("transformer.", *BODY_PREFIXES))
+
+    dropped = [k for k in state if is_head(k) and k not in expected]
+    new = [k for k in expected if is_head(k) and k not in state and k not in skip]
+    for key in dropped:
+        del state[key]
+    if dropped:
+        unused = ", ".join(dropped)
+        warnings.warn(f"{where}: {cls} does not use these weights of the checkpoint: {unused}", stacklevel=5)
+    if new:
+        warnings.warn(
+            f"{where}: {cls} has weights the checkpoint lacks, newly initialised (train them before use): "
+            f"{', '.join(new)}", stacklevel=5,
+        )
+    return new
+
+
+def init_new_head(model: nn.Module, names: list[str], config: GPT2Config, device, dtype) -> None:
+    """Materialise the head modules that own `names` (built on meta) with transformers' init."""
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        module = model.get_submodule(owner)
+        module.to_empty(device=device or "cpu")
+        init_weights(module, config)
+        module.to(dtype)
+
+
+def check_state(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], where: str) -> None:
+    """Raise ValueError naming the source and the keys: missing, unexpected, wrong shape."""
+    missing = [k for k in expected if k not in state and k not in skip]
+    unexpected = [k for k in state if k not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            problems.append(
+                f"shape mismatch for {name}: expected {tuple(expected[name].shape)}, found {tuple(tensor.shape)}"
+            )
+    if problems:
+        raise ValueError(f"{where}: checkpoint does not fit the model; " + "; ".join(problems))
