@@ -117,6 +117,14 @@ def test_page_in_chromium(name, browser, screenshots, tmp_path):
         if index == T // 2:
             browser.save_screenshot(str(screenshots / f"{name}-head-view.png"))
     assert highlighted_some
+    # a new threshold re-highlights the clicked key's queries (key 1, clicked last)
+    box = browser.find_element("id", "threshold")
+    box.clear()
+    box.send_keys("0.05")
+    browser.execute_async_script("setTimeout(arguments[0], 0)")  # after the page's update (promises already resolved)
+    hl = browser.execute_script("return [...document.querySelectorAll('#queries .tok.hl')].map(e => +e.dataset.i)")
+    edge = {i for i in range(T) if abs(w[i, 1] - 0.05) <= HALF_DIGIT}
+    assert set(hl) - edge == {i for i in range(1, T) if w[i, 1] > 0.05} - edge != set()
 
     # the large pattern: every masked cell is above the diagonal, and nothing else is masked
     cell, pixels = browser.execute_script(

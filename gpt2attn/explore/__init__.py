@@ -44,7 +44,7 @@ TOP_K = 5
 THRESHOLD = 0.1  # the head view's initial threshold for highlighting keys
 
 
-@dataclass
+@dataclass(repr=False)
 class Page:
     """The page's HTML (`str(page)`); shows itself in a notebook, in an iframe of its own."""
 
@@ -52,6 +52,9 @@ class Page:
 
     def __str__(self) -> str:
         return self.html
+
+    def __repr__(self) -> str:
+        return f"<gpt2attn explore page, {len(self.html) / 1e6:.1f} MB of HTML>"
 
     def save(self, path: str | Path) -> None:
         write_text_atomic(path, self.html)
