@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-COMMANDS = ("generate", "train", "convert", "parity", "attention", "export")
+COMMANDS = ("generate", "train", "convert", "parity", "attention", "explore", "export")
 SIGPIPE_STATUS = 128 + 13  # what a Unix tool killed by SIGPIPE returns (`yes | head`)
 
 

@@ -24,6 +24,9 @@ Names are "h.{layer}.{what}", with `what` one of NAMES, in the order the block c
 Only the chosen layers are touched; the others stay on the fused SDPA path, and a chosen layer
 leaves it only when its attention weights are asked for. Everything is undone when the
 `with` ends. Nested contexts chain: an inner one sees what the outer ones produced.
+
+    explore(model, tokenizer, "To be, or not to be").save("page.html")   # every layer and head,
+                                                                          # one page (gpt2attn/explore)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from contextlib import ExitStack, contextmanager
 
 from torch import Tensor, nn
 
+from .explore import Page, explore
 from .layers import Block
 
 NAMES = (

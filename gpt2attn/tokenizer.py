@@ -4,7 +4,8 @@
 `vocab.json` + `merges.txt`, or OpenAI's `encoder.json` + `vocab.bpe`.
 `char_tokenizer(text)` makes a character-level vocabulary (ids 0..V-1, sorted characters),
 as nanoGPT's shakespeare_char does. `encode(tokenizer, text)` gives the ids, or a ValueError
-naming the characters a vocabulary lacks.
+naming the characters a vocabulary lacks. `token_labels(tokenizer, ids)` gives each token's text
+with its whitespace made visible, for tick labels and pages.
 """
 
 from __future__ import annotations
@@ -51,6 +52,35 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise ValueError(f"the text has characters that the tokenizer's vocabulary ({len(vocab)} tokens) "
                          f"does not hold: {shown}{more}") from None
+
+
+def token_labels(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text, whitespace made visible (see `visible`). A byte-level BPE token that
+    holds part of a character (an emoji split in two) shows its bytes as \\xNN."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return [visible(tokenizer.decode([i])) for i in ids]
+    byte_of = _byte_level_alphabet()
+    labels = []
+    for i in ids:
+        piece = tokenizer.id_to_token(i) or ""
+        if all(c in byte_of for c in piece):
+            piece = bytes(byte_of[c] for c in piece).decode("utf-8", errors="backslashreplace")
+        labels.append(visible(piece))
+    return labels
+
+
+def visible(piece: str) -> str:
+    """A token's text with its whitespace shown: ' ' -> '␣', newline -> '↵', tab -> '⇥'; '' -> '∅'."""
+    return piece.replace(" ", "␣").replace("\n", "↵").replace("\r", "␍").replace("\t", "⇥") or "∅"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character ('Ġ' is the space byte,
+    'Ċ' the newline): printable Latin-1 bytes stand for themselves, the others are 256, 257, ... in
+    byte order. Returns character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 def _tokenizer_json(path: Path) -> Tokenizer:

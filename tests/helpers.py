@@ -79,3 +79,67 @@ def mapped_ranges(path) -> list[tuple[int, int]]:
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
             ranges.append((start, end))
     return ranges
+
+
+# ---- gpt2attn explore: the models its pages are tested on, and the page's encoding read back ----
+
+EXPLORE_TEXT = "To be, or not to be:\nthat is the question."
+
+
+def char_model_folder(folder: Path, text: str = EXPLORE_TEXT, **config) -> Path:
+    """A random tiny char-level model (n_embd 32) saved with its tokenizer.json."""
+    from gpt2attn.tokenizer import char_tokenizer
+
+    tok = char_tokenizer(text)
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=tok.get_vocab_size(), n_positions=64, **config)), seed=3)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def hf_gpt2_folder(folder: Path) -> Path:
+    """A random tiny transformers GPT2LMHeadModel saved with save_pretrained, with GPT-2's genuine
+    tokenizer files beside it (skips without the shared data)."""
+    import shutil
+
+    import transformers
+
+    tokenizer_files = shared_data("gpt2-tokenizer")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_files / name, folder / name)
+    return folder
+
+
+def unpack_weights(blob: str, scale: int) -> torch.Tensor:
+    """An explore page's packed weights back as floats: base64, zlib, low-byte then high-byte planes."""
+    import base64
+    import zlib
+
+    raw = torch.frombuffer(bytearray(zlib.decompress(base64.b64decode(blob))), dtype=torch.uint8)
+    low, high = raw.view(2, -1).long()
+    return (low + 256 * high).double() / scale
+
+
+def lower_triangle_rows(packed: torch.Tensor, T: int) -> list[torch.Tensor]:
+    """Rows of a packed causal triangle: row i holds keys 0..i."""
+    return [packed[i * (i + 1) // 2: (i + 1) * (i + 2) // 2] for i in range(T)]
+
+
+@torch.no_grad()
+def ablation_effects(model, ids: list[int], position: int) -> torch.Tensor:
+    """(L, nh): change of log p(top token) at `position` with each head zeroed, one forward per head
+    through inspect.edit, the way a user would compute it."""
+    from gpt2attn import inspect
+
+    x = torch.tensor([ids])
+    clean = model(x).logits[0, position].log_softmax(-1)
+    token = clean.argmax()
+    effects = torch.zeros(model.config.n_layer, model.config.n_head)
+    for layer in range(model.config.n_layer):
+        for head in range(model.config.n_head):
+            with inspect.edit(model, f"h.{layer}.attn.weights", inspect.zero_head(head)):
+                effects[layer, head] = model(x).logits[0, position].log_softmax(-1)[token] - clean[token]
+    return effects

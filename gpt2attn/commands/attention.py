@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..files import write_atomic, write_text_atomic
 from ..generation import DEFAULT_MODEL_DIR
+from ..tokenizer import visible
 from . import model_folder
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
@@ -39,7 +40,7 @@ def run(args) -> int:
         else:
             sys.stdout.write(text)
     else:
-        draw([token_label(t) for t in tokens], weights, layer, heads, args.out)
+        draw([visible(t) for t in tokens], weights, layer, heads, args.out)
     if args.out:
         print(f"wrote {args.out}: layer {layer}, {len(heads)} head(s), {len(tokens)} tokens", file=sys.stderr)
     return 0
@@ -72,11 +73,6 @@ def attention_weights(src, text: str, layer: int, head: int | None):
     weights = acts[f"h.{layer}.attn.weights"][0].float()  # (nh, T, T)
     heads = list(range(cfg.n_head)) if head is None else [head]
     return ids, [tokenizer.decode([i]) for i in ids], weights[heads], layer, heads
-
-
-def token_label(piece: str) -> str:
-    """A tick label that shows whitespace: ' ' -> '␣', newline -> '\\n'."""
-    return piece.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "∅"
 
 
 def draw(tokens: list[str], weights, layer: int, heads: list[int], out: str) -> None:

@@ -1,0 +1,44 @@
+"""`gpt2attn explore`: one self-contained HTML page with every layer and head over a text."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..generation import DEFAULT_MODEL_DIR
+from . import model_folder
+
+HELP = "write one self-contained HTML page with every layer and head, head ablations and decoding steps"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("text", help="the input text")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
+                        help="model folder or hub name, with tokenizer files (default: the shipped default model)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="greedy steps to show one by one over the KV cache (default 0: no decoding view)")
+    parser.add_argument("--position", type=int, default=-1, metavar="P",
+                        help="the query whose prediction the head-ablation table explains (default -1, the last)")
+    parser.add_argument("--out", required=True, help="the HTML file to write")
+
+
+def run(args) -> int:
+    from ..explore import explore
+    from ..model import GPT2LMHeadModel
+    from ..tokenizer import load_tokenizer
+
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; give a file name")
+    if args.generate < 0:
+        raise ValueError(f"--generate {args.generate}: give 0 or more steps")
+    src = model_folder(args.model)
+    try:
+        tokenizer = load_tokenizer(src)
+    except FileNotFoundError as e:  # a folder with weights but no tokenizer files
+        raise ValueError(str(e)) from None
+    model = GPT2LMHeadModel.from_pretrained(src).eval()
+    page = explore(model, tokenizer, args.text, position=args.position, generate=args.generate, name=str(args.model))
+    page.save(args.out)
+    print(f"wrote {args.out}: {model.config.n_layer} layers x {model.config.n_head} heads, "
+          f"{len(page.html) / 1e6:.1f} MB", file=sys.stderr)
+    return 0

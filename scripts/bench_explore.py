@@ -1,0 +1,120 @@
+"""`gpt2attn explore` pages for gpt2-small: size, build time against forward passes, first view in Chromium.
+
+    python scripts/bench.py explore [--tokens 256 1024] [--threads 2] [--repeats 3] [--bertviz]
+
+gpt2-small shapes (12 layers x 12 heads, n_embd 768), random weights (seed 0), GPT-2's tokenizer
+(../shared/data/gpt2-tokenizer), a text of exactly N tokens. For each N prints: the page's size;
+the build time (explore(): the forward with attentions, the 144 head ablations, packing) beside
+one plain forward pass and the ratio build / (forward x 144 heads ablated); the first view's
+render time in headless Chromium (navigation start to the model view drawn, median of
+--repeats loads) and the time to open one head's full view. --bertviz also writes bertviz's
+head_view and model_view (html_action="return") for the same model and text and prints their
+sizes and what they fetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_common import machine_line, median_seconds
+
+from gpt2attn import GPT2Config, GPT2LMHeadModel
+from gpt2attn.explore import explore
+from gpt2attn.tokenizer import encode, load_tokenizer
+
+TOKENIZER_FILES = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
+PROSE = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+         "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+         "it was the season of Darkness, it was the spring of hope, it was the winter of despair.\n")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py explore")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bertviz", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(machine_line())
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config.from_preset("gpt2")).eval()
+    tok = load_tokenizer(TOKENIZER_FILES)
+    heads = model.config.n_layer * model.config.n_head
+    with tempfile.TemporaryDirectory() as tmp:
+        browser = chromium(Path(tmp) / "profile")
+        try:
+            for n in args.tokens:
+                ids = encode(tok, PROSE * (n // 40 + 2))[:n]
+                text = tok.decode(ids)
+                assert len(encode(tok, text)) == n, "the text does not re-encode to the same tokens"
+                x = torch.tensor([ids])
+                with torch.no_grad():
+                    forward = median_seconds(lambda: model(x, use_cache=False), repeats=args.repeats, warmup=1)
+                start = time.perf_counter()
+                page = explore(model, tok, text, name="gpt2-small (random)")
+                build = time.perf_counter() - start
+                path = Path(tmp) / f"page{n}.html"
+                page.save(path)
+                size = path.stat().st_size / 1e6
+                print(f"\n{n} tokens: page {size:.2f} MB")
+                print(f"  build {build:.2f} s; one forward pass {forward * 1000:.0f} ms; "
+                      f"build / (forward x {heads} heads) = {build / (forward * heads):.2f}")
+                if browser is None:
+                    continue
+                renders, opens = [], []
+                for _ in range(args.repeats):
+                    browser.get(path.as_uri())
+                    renders.append(browser.execute_async_script(
+                        "window.explore.ready.then(() => arguments[0](window.explore.renderedAt))") / 1000)
+                    opens.append(browser.execute_async_script(
+                        "const t0 = performance.now(); window.explore.openHead(11, [3])"
+                        ".then(() => arguments[0](performance.now() - t0))") / 1000)
+                print(f"  Chromium: first view (model view) {statistics.median(renders):.2f} s; "
+                      f"opening one head's full view {statistics.median(opens):.2f} s (median of {args.repeats})")
+                if args.bertviz:
+                    bertviz_pages(model, tok, ids, Path(tmp))
+        finally:
+            if browser is not None:
+                browser.quit()
+    return 0
+
+
+def chromium(profile: Path):
+    """Headless Chromium through selenium, or None (with a message) where it is missing."""
+    try:
+        from selenium import webdriver
+    except ImportError:
+        print("no selenium: render times skipped")
+        return None
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        print("no chromium / chromedriver: render times skipped")
+        return None
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+                 f"--user-data-dir={profile}", "--window-size=1400,1000"]:
+        options.add_argument(flag)
+    return webdriver.Chrome(service=webdriver.ChromeService(shutil.which("chromedriver")), options=options)
+
+
+def bertviz_pages(model: GPT2LMHeadModel, tok, ids: list[int], tmp: Path) -> None:
+    from bertviz import head_view, model_view
+
+    with torch.no_grad():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    tokens = [tok.id_to_token(i) for i in ids]
+    for name, view in (("head_view", head_view), ("model_view", model_view)):
+        start = time.perf_counter()
+        html = view(attentions, tokens, html_action="return").data
+        took = time.perf_counter() - start
+        fetched = sorted(set(re.findall(r"https?://[^\s'\"]+", html)))
+        print(f"  bertviz {name}: {len(html.encode()) / 1e6:.2f} MB in {took:.2f} s; fetches {', '.join(fetched) or 'nothing'}")

@@ -1,0 +1,166 @@
+"""gpt2attn explore without a browser: the page's data against the model, labels, bad input.
+(tests/test_explore_browser.py opens the pages in Chromium.)"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel, inspect
+from gpt2attn.cli import main
+from gpt2attn.explore import page_data
+from gpt2attn.tokenizer import encode, load_tokenizer, token_labels
+from helpers import (EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder, lower_triangle_rows,
+                     shared_data, unpack_weights)
+
+HALF_DIGIT = 0.0005 + 1e-6  # a weight printed to 3 digits is within this of the true one
+
+
+@pytest.fixture(scope="module")
+def char_folder(tmp_path_factory):
+    return char_model_folder(tmp_path_factory.mktemp("char"), n_layer=3)
+
+
+@pytest.fixture(scope="module")
+def char_model(char_folder):
+    return GPT2LMHeadModel.from_pretrained(char_folder).eval(), load_tokenizer(char_folder)
+
+
+def test_weights_on_the_page_are_the_models_to_3_digits(char_model):
+    model, tok = char_model
+    data = page_data(model, tok, EXPLORE_TEXT)
+    ids = encode(tok, EXPLORE_TEXT)
+    with torch.no_grad():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    T = len(ids)
+    for layer, heads in enumerate(data["attn"]):
+        for head, blob in enumerate(heads):
+            rows = lower_triangle_rows(unpack_weights(blob, data["scale"]), T)
+            expected = attentions[layer][0, head].double()  # (T, T)
+            for i, row in enumerate(rows):
+                assert (row - expected[i, : i + 1]).abs().max() <= HALF_DIGIT
+                assert expected[i, i + 1:].abs().sum() == 0  # the causal part is all there is
+
+
+def test_ablation_table_equals_zeroing_each_head_with_inspect_edit(char_model):
+    model, tok = char_model
+    ids = encode(tok, EXPLORE_TEXT)
+    for position in (-1, 7):
+        data = page_data(model, tok, EXPLORE_TEXT, position=position)
+        expected = ablation_effects(model, ids, position)
+        assert data["position"] == position % len(ids)
+        assert torch.tensor(data["effects"]).sub(expected).abs().max() < 1e-4
+        assert expected.abs().max() > 1e-2  # the heads matter in this model: the comparison has teeth
+
+
+def test_top5_is_the_models_next_token_distribution(char_model):
+    model, tok = char_model
+    data = page_data(model, tok, EXPLORE_TEXT)
+    ids = encode(tok, EXPLORE_TEXT)
+    probs = model(torch.tensor([ids])).logits[0].softmax(-1)
+    for i, top in enumerate(data["top"]):
+        p, idx = probs[i].topk(5)
+        assert [label for label, _ in top] == token_labels(tok, idx.tolist())
+        assert torch.tensor([q for _, q in top]).sub(p).abs().max() < 1e-4
+
+
+def test_decoding_steps_are_greedy_generation_and_its_attention_rows(char_model):
+    model, tok = char_model
+    ids = encode(tok, EXPLORE_TEXT[:20])
+    n = 6
+    steps = page_data(model, tok, EXPLORE_TEXT[:20], generate=n)["steps"]
+    full = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0]
+    assert steps["tokens"] == token_labels(tok, full[len(ids):].tolist())
+    with torch.no_grad():  # one forward over prompt + generated: its last n rows are the steps' query rows
+        attentions = model(full[None, :-1], output_attentions=True).attentions
+    P0 = len(ids)
+    for layer in range(model.config.n_layer):
+        for head in range(model.config.n_head):
+            packed = unpack_weights(steps["attn"][layer][head], 1000)
+            lengths = [P0 + s + 1 for s in range(n - 1)]  # the last step's row needs the token after it
+            rows = torch.split(packed[: sum(lengths)], lengths)
+            for s, row in enumerate(rows):
+                expected = attentions[layer][0, head, P0 + s].double()
+                assert (row - expected[: P0 + s + 1]).abs().max() <= HALF_DIGIT
+
+
+def test_labels_show_gpt2_spaces_and_newlines():
+    tok = load_tokenizer(shared_data("gpt2-tokenizer"))
+    labels = token_labels(tok, encode(tok, "Hello world\n\tok"))
+    assert tok.id_to_token(encode(tok, " world")[0]) == "Ġworld"
+    assert labels == ["Hello", "␣world", "↵", "⇥", "ok"]
+    llama = encode(tok, " 🦙")  # 4 bytes in 3 tokens: pieces of a character show as their bytes
+    assert "".join(token_labels(tok, llama)) == "␣" + "".join(f"\\x{b:02x}" for b in "🦙".encode())
+
+
+def test_labels_of_a_char_model(char_model):
+    _, tok = char_model
+    assert token_labels(tok, encode(tok, "to be\n")) == ["t", "o", "␣", "b", "e", "↵"]
+
+
+def test_inspect_explore_gives_the_page_and_a_notebook_view(char_model):
+    model, tok = char_model
+    page = inspect.explore(model, tok, "To be")
+    html = str(page)
+    data = json.loads(re.search(r'<script type="application/json" id="data">(.*?)</script>', html, re.S)[1])
+    assert data["tokens"] == ["T", "o", "␣", "b", "e"]
+    assert page._repr_html_().startswith("<iframe srcdoc=")
+    assert not re.search(r"""(src|href)\s*=|https?://|@import|url\(""", html.replace("http://www.w3.org/2000/svg", ""))
+
+
+def test_import_gpt2attn_inspect_needs_no_transformers():
+    code = "import sys, gpt2attn.inspect; print(sorted(m for m in sys.modules if m.startswith(('transformers', 'peft'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_writes_the_page_for_a_transformers_gpt2_folder(tmp_path):
+    import transformers
+
+    folder = hf_gpt2_folder(tmp_path / "hf")
+    out = tmp_path / "page.html"
+    assert main(["explore", "Hello world, hello", "--model", str(folder), "--out", str(out), "--generate", "2"]) == 0
+    html = out.read_text()
+    data = json.loads(re.search(r'id="data">(.*?)</script>', html, re.S)[1].replace("<\\/", "</"))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation="eager").eval()
+    ids = data["ids"]
+    with torch.no_grad():
+        attentions = hf(torch.tensor([ids]), output_attentions=True).attentions
+    assert data["tokens"][:2] == ["Hello", "␣world"]
+    for layer in range(2):
+        for head in range(4):
+            rows = lower_triangle_rows(unpack_weights(data["attn"][layer][head], 1000), len(ids))
+            for i, row in enumerate(rows):
+                assert (row - attentions[layer][0, head, i, : i + 1].double()).abs().max() <= HALF_DIGIT
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty", "the text is empty"),
+    ("too long", "this model's context is 64"),
+    ("unknown characters", "does not hold: 'Z'"),
+    ("no tokenizer", "no tokenizer in"),
+    ("bad position", "position 99 is out of range"),
+])
+def test_bad_input_is_one_line_and_no_page(char_folder, tmp_path, capsys, case, message):
+    folder, text, extra = char_folder, EXPLORE_TEXT, []
+    if case == "empty":
+        text = ""
+    elif case == "too long":
+        text = EXPLORE_TEXT * 3
+    elif case == "unknown characters":
+        text = "To Zee"
+    elif case == "no tokenizer":
+        folder = tmp_path / "bare"
+        GPT2LMHeadModel.from_pretrained(char_folder).save_pretrained(folder)
+    else:
+        extra = ["--position", "99"]
+    out = tmp_path / "page.html"
+    out.write_text("the old page")
+    assert main(["explore", text, "--model", str(folder), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpt2attn explore: error: ") and message in err
+    assert out.read_text() == "the old page"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["page.html"]
