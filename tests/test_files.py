@@ -49,6 +49,23 @@ def test_replace_folder_swaps_in_the_new_contents_and_keeps_what_it_is_told_to(t
     assert (target / "sub" / "notes").read_text() == "kept"
 
 
+def test_kept_entries_are_linked_not_copied_links_stay_links_and_leftovers_are_not_kept(tmp_path):
+    target = tmp_path / "model"
+    (target / "sub").mkdir(parents=True)
+    (target / "README.md").write_text("mine")
+    (target / "sub" / "notes").write_text("kept")
+    (target / "link").symlink_to("README.md")
+    (target / ".README.md.abcd1234.tmp").write_text("half a README")  # a killed write's leftover
+    (target / "weights").write_text("old")
+    readme_inode = os.stat(target / "README.md").st_ino
+    with files.replace_folder(target, keep=lambda name: name != "weights") as new:
+        (new / "weights").write_text("new")
+    assert sorted(os.listdir(target)) == ["README.md", "link", "sub", "weights"]
+    assert os.stat(target / "README.md").st_ino == readme_inode  # the same file, no copy
+    assert (target / "link").is_symlink() and os.readlink(target / "link") == "README.md"
+    assert (target / "sub" / "notes").read_text() == "kept" and (target / "weights").read_text() == "new"
+
+
 def test_replace_folder_on_failure_leaves_the_old_folder_and_nothing_else(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
