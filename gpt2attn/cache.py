@@ -7,6 +7,10 @@ room reserved grows by doubling. `cache[i]` is layer i's `(key, value)` as HF's 
 
 With cross-attention the cache also holds each layer's keys and values over the encoder's
 states (`cross_keys`, `cross_values`): computed by the first pass, reused by the later ones.
+
+`as_cache` turns what a caller passes as `past_key_values` (ours, HF's legacy tuples, a
+DynamicCache) into a KVCache checked against the model's shapes; the forward pass and
+generate() both use it.
 """
 
 from __future__ import annotations
