@@ -185,7 +185,8 @@ def test_write_atomic_fsyncs_the_temporary_file_before_renaming_it(tmp_path, mon
     assert inode(target) in before
 
 
-@pytest.mark.parametrize("how", ["replace_folder", "replace_folder, new path", "save_pretrained", "exchange unsupported"])
+@pytest.mark.parametrize("how", ["replace_folder", "replace_folder, new path", "save_pretrained",
+                                 "exchange unsupported"])
 def test_every_file_and_folder_is_fsynced_before_the_swap_and_the_parent_after(tmp_path, monkeypatch, how):
     from gpt2attn import GPT2LMHeadModel
     from helpers import tiny_config
