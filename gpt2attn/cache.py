@@ -8,17 +8,24 @@ room reserved grows by doubling. `cache[i]` is layer i's `(key, value)` as HF's 
 
 With cross-attention the cache also holds each layer's keys and values over the encoder's
 states (`cross_keys`, `cross_values`): computed by the first pass, reused by the later ones.
+
+`as_cache` turns what a caller passes as the cache (ours, HF's legacy tuples, a
+DynamicCache) into a KVCache checked against the model's shapes; the forward pass and
+generate() both use it.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+
+if TYPE_CHECKING:  # for the annotation only: at run time cache.py imports nothing of gpt2attn
+    from .config import GPT2Config
 
 
 class KVCache:
@@ -169,6 +176,45 @@ class KVCache:
 
     def to_legacy(self) -> tuple[tuple[Tensor, Tensor], ...]:
         return tuple(self)
+
+
+def cached_length(past: Any) -> int:
+    """Tokens held by past_key_values of any accepted kind (0 for None or an empty cache)."""
+    if past is None:
+        return 0
+    if isinstance(past, KVCache) or hasattr(past, "get_seq_length"):
+        return past.get_seq_length()
+    return past[0][0].size(2) if len(past) > 0 else 0
+
+
+def as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
+    """None, our KVCache, HF's legacy tuple of (key, value) pairs, or an HF DynamicCache; its
+    layers, heads, head size and dtype must be the model's."""
+    if past is None or isinstance(past, KVCache):
+        cache = past
+    elif isinstance(past, (tuple, list)):
+        cache = KVCache.from_legacy(past) if len(past) > 0 else None
+    elif hasattr(past, "layers"):  # transformers' DynamicCache
+        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers])
+    else:
+        raise ValueError(
+            f"past_key_values must be a KVCache, a tuple of (key, value) pairs or a transformers "
+            f"DynamicCache, got {type(past).__name__}"
+        )
+    if cache is None:
+        return None
+    if len(cache) != cfg.n_layer:
+        raise ValueError(f"past_key_values have {len(cache)} layers, the model has {cfg.n_layer}")
+    key = next((k for k in cache.keys if k is not None), None)  # (B, nh, T, hs)
+    if key is not None:
+        if key.size(1) != cfg.n_head or key.size(3) != cfg.head_dim:
+            raise ValueError(
+                f"past_key_values hold {key.size(1)} heads of size {key.size(3)}, "
+                f"the model has n_head={cfg.n_head} of size {cfg.head_dim}"
+            )
+        if key.dtype != dtype and not torch.is_autocast_enabled(key.device.type):
+            raise ValueError(f"past_key_values have dtype {key.dtype}, the model's weights {dtype}")
+    return cache
 
 
 # A pytree node, so torch.compile / torch.export see the tensors inside a cache.

@@ -17,12 +17,15 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
-from .cache import KVCache, takes_past_key_values
+from .cache import KVCache, as_cache, cached_length, takes_past_key_values
 from .config import GPT2Config, is_int
 from .formats.hf import save_pretrained
+from .generation import GenerationConfig, compute_transition_scores, generate
+from .interop.transformers import from_transformers, to_transformers
 from .layers import Block, encoder_attention, init_weights, padding_mask
 from .loader import from_pretrained
 from .outputs import BaseModelOutput, CausalLMOutput
+from .quantize import quantize
 
 
 class LMHead(nn.Linear):
@@ -75,8 +78,6 @@ class GPT2PreTrainedModel(nn.Module):
 
     def quantize(self, mode: str = "int8"):
         """Quantize in place for CPU inference ('int8' or 'bf16'); see gpt2attn.quantize."""
-        from .quantize import quantize
-
         return quantize(self, mode)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
@@ -89,15 +90,11 @@ class GPT2PreTrainedModel(nn.Module):
 
     def to_transformers(self, attn_implementation: str | None = None) -> Any:
         """transformers' model of the same class sharing these very parameters (no copy)."""
-        from .interop.transformers import to_transformers
-
         return to_transformers(self, attn_implementation)
 
     @classmethod
     def from_transformers(cls, hf_model: Any):
         """This class built around a transformers model's own parameters (no copy)."""
-        from .interop.transformers import from_transformers
-
         return from_transformers(cls, hf_model)
 
     # --- embeddings -----------------------------------------------------------------------
@@ -286,7 +283,7 @@ class GPT2Model(GPT2PreTrainedModel):
         device = self.wte.weight.device
         input_ids, inputs_embeds = _check_inputs(cfg, input_ids, inputs_embeds, self.wte.weight.dtype, device)
         B, T = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        cache = _as_cache(cache, cfg, self.wte.weight.dtype)
+        cache = as_cache(cache, cfg, self.wte.weight.dtype)
         if cache is None and use_cache:
             cache = KVCache(cfg.n_layer)
         past_len = cache.length if cache is not None else 0
@@ -431,7 +428,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         """forward's arguments for the next decoding step, as transformers' generate builds them:
         with a cache only the ids it does not hold yet; position ids counted from the attention
         mask (so left padding works); inputs_embeds only before anything is cached."""
-        past_len = _cached_length(cache)
+        past_len = cached_length(cache)
         next_len = kwargs.pop("next_sequence_length", None)
         for key in ("labels", "is_first_iteration"):  # generate's bookkeeping, not forward's arguments
             kwargs.pop(key, None)
@@ -460,8 +457,6 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
     def generation_config(self) -> Any:
         """generate()'s defaults: the folder's generation_config.json, else from the config."""
         if "_generation_config" not in self.__dict__:
-            from .generation import GenerationConfig
-
             self.__dict__["_generation_config"] = GenerationConfig.from_model_config(self.config)
         return self.__dict__["_generation_config"]
 
@@ -471,15 +466,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
 
     def generate(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
         """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
-        from .generation import generate
-
         return generate(self, input_ids, **kwargs)
 
     def compute_transition_scores(self, sequences: Tensor, scores: tuple[Tensor, ...],
                                   beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:
         """Each generated token's score at the step that chose it; see gpt2attn.generation."""
-        from .generation import compute_transition_scores
-
         return compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
 
 
@@ -584,45 +575,6 @@ def _check_ids(name: str, ids: Any, B: int, T: int, limit: int, device: torch.de
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} holds {bad}, outside [0, {limit})")
     return ids
-
-
-def _cached_length(past: Any) -> int:
-    """Tokens held by past_key_values of any accepted kind (0 for None or an empty cache)."""
-    if past is None:
-        return 0
-    if isinstance(past, KVCache) or hasattr(past, "get_seq_length"):
-        return past.get_seq_length()
-    return past[0][0].size(2) if len(past) > 0 else 0
-
-
-def _as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
-    """None, our KVCache, HF's legacy tuple of (key, value) pairs, or an HF DynamicCache; its
-    layers, heads, head size and dtype must be the model's."""
-    if past is None or isinstance(past, KVCache):
-        cache = past
-    elif isinstance(past, (tuple, list)):
-        cache = KVCache.from_legacy(past) if len(past) > 0 else None
-    elif hasattr(past, "layers"):  # transformers' DynamicCache
-        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers])
-    else:
-        raise ValueError(
-            f"past_key_values must be a KVCache, a tuple of (key, value) pairs or a transformers "
-            f"DynamicCache, got {type(past).__name__}"
-        )
-    if cache is None:
-        return None
-    if len(cache) != cfg.n_layer:
-        raise ValueError(f"past_key_values have {len(cache)} layers, the model has {cfg.n_layer}")
-    key = next((k for k in cache.keys if k is not None), None)  # (B, nh, T, hs)
-    if key is not None:
-        if key.size(1) != cfg.n_head or key.size(3) != cfg.head_dim:
-            raise ValueError(
-                f"past_key_values hold {key.size(1)} heads of size {key.size(3)}, "
-                f"the model has n_head={cfg.n_head} of size {cfg.head_dim}"
-            )
-        if key.dtype != dtype and not torch.is_autocast_enabled(key.device.type):
-            raise ValueError(f"past_key_values have dtype {key.dtype}, the model's weights {dtype}")
-    return cache
 
 
 def _build_mask(

@@ -208,6 +208,17 @@ def test_resave_keeps_other_files_and_leaves_no_temporaries(tmp_path):
     assert (tmp_path / "m" / "notes" / "README.md").read_text() == "mine"
 
 
+def test_resave_in_another_format_drops_every_old_weights_file(tmp_path):
+    """Old .bin shards, their index and config.json are the model's: never kept beside new weights."""
+    lm().save_pretrained(tmp_path / "m", max_shard_size="20KB", safe_serialization=False)
+    old = set(os.listdir(tmp_path / "m"))
+    assert "pytorch_model.bin.index.json" in old and len([name for name in old if name.endswith(".bin")]) > 1
+    (tmp_path / "m" / "vocab.json").write_text("{}")
+    lm(seed=3).save_pretrained(tmp_path / "m")
+    lm(seed=3).save_pretrained(tmp_path / "fresh")
+    assert sorted(os.listdir(tmp_path / "m")) == sorted(os.listdir(tmp_path / "fresh") + ["vocab.json"])
+
+
 def test_missing_source_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         GPT2LMHeadModel.from_pretrained(str(tmp_path / "nope"))

@@ -65,6 +65,21 @@ def test_parity_logits_weights_and_gradients(models, mask):
 
 
 @torch.no_grad()
+def test_an_encoder_row_of_padding_alone_spreads_equal_weights_as_transformers(models):
+    """A decoder row whose encoder positions are all padding attends to every one of them alike
+    (transformers adds the dtype's lowest value, not -inf: no NaN)."""
+    ours, hf = models
+    ids, enc, enc_mask = inputs()
+    enc_mask[1] = 0
+    kwargs = dict(encoder_hidden_states=enc, encoder_attention_mask=enc_mask, output_attentions=True)
+    a, b = ours(ids, **kwargs), hf(ids, **kwargs)
+    assert max_diff(a.logits, b.logits) < 1e-5
+    for x, y in zip(a.cross_attentions, b.cross_attentions):
+        assert max_diff(x, y) < 1e-5
+        assert max_diff(x[1], torch.full_like(x[1], 1 / T_ENC)) < 1e-6
+    assert max_diff(ours(ids, encoder_hidden_states=enc, encoder_attention_mask=enc_mask).logits, b.logits) < 1e-5
+
+
 def test_cache_prefill_and_steps(models):
     """Prefill 4 tokens, then one token at a time: the cross keys/values are computed once and
     reused, and every step's logits equal transformers' cached steps and the uncached run."""

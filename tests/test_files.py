@@ -49,6 +49,23 @@ def test_replace_folder_swaps_in_the_new_contents_and_keeps_what_it_is_told_to(t
     assert (target / "sub" / "notes").read_text() == "kept"
 
 
+def test_kept_entries_are_linked_not_copied_links_stay_links_and_leftovers_are_not_kept(tmp_path):
+    target = tmp_path / "model"
+    (target / "sub").mkdir(parents=True)
+    (target / "README.md").write_text("mine")
+    (target / "sub" / "notes").write_text("kept")
+    (target / "link").symlink_to("README.md")
+    (target / ".README.md.abcd1234.tmp").write_text("half a README")  # a killed write's leftover
+    (target / "weights").write_text("old")
+    readme_inode = os.stat(target / "README.md").st_ino
+    with files.replace_folder(target, keep=lambda name: name != "weights") as new:
+        (new / "weights").write_text("new")
+    assert sorted(os.listdir(target)) == ["README.md", "link", "sub", "weights"]
+    assert os.stat(target / "README.md").st_ino == readme_inode  # the same file, no copy
+    assert (target / "link").is_symlink() and os.readlink(target / "link") == "README.md"
+    assert (target / "sub" / "notes").read_text() == "kept" and (target / "weights").read_text() == "new"
+
+
 def test_replace_folder_on_failure_leaves_the_old_folder_and_nothing_else(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
@@ -111,3 +128,85 @@ def test_replace_folder_through_a_link_and_from_inside(tmp_path, monkeypatch):
     with pytest.raises(NotADirectoryError, match="is not a folder"):
         with files.replace_folder(tmp_path / "file"):
             pass
+
+
+# --- durability: what a swap makes visible is on disk before it --------------------------------
+
+
+def record_disk_events(monkeypatch) -> list[tuple[str, object]]:
+    """Patch os.fsync, os.replace, os.rename and files._exchange to log, in order,
+    ("fsync", (device, inode)) and (kind, destination path) for each rename / exchange."""
+    events: list[tuple[str, object]] = []
+    real_fsync, real_replace, real_rename, real_exchange = os.fsync, os.replace, os.rename, files._exchange
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def replace(src, dst, **kwargs):
+        events.append(("replace", os.path.abspath(dst)))
+        real_replace(src, dst, **kwargs)
+
+    def rename(src, dst, **kwargs):
+        events.append(("rename", os.path.abspath(dst)))
+        real_rename(src, dst, **kwargs)
+
+    def exchange(a, b):
+        events.append(("exchange", os.path.abspath(b)))
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(files, "_exchange", exchange)
+    return events
+
+
+def inode(path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def synced_before_and_after(events, target: Path) -> tuple[set, set]:
+    """The inodes fsynced before the event that put something at `target`, and those after it."""
+    swaps = [i for i, (kind, arg) in enumerate(events) if kind != "fsync" and arg == str(target)]
+    assert swaps, f"nothing was renamed or exchanged to {target}: {events}"
+    synced = lambda part: {arg for kind, arg in part if kind == "fsync"}  # noqa: E731
+    return synced(events[: swaps[0]]), synced(events[swaps[0] + 1 :])
+
+
+def test_write_atomic_fsyncs_the_temporary_file_before_renaming_it(tmp_path, monkeypatch):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    events = record_disk_events(monkeypatch)
+    write_bytes_atomic(target, b"new")
+    before, _ = synced_before_and_after(events, target)
+    assert inode(target) in before
+
+
+@pytest.mark.parametrize("how", ["replace_folder", "replace_folder, new path", "save_pretrained",
+                                 "exchange unsupported"])
+def test_every_file_and_folder_is_fsynced_before_the_swap_and_the_parent_after(tmp_path, monkeypatch, how):
+    from gpt2attn import GPT2LMHeadModel
+    from helpers import tiny_config
+
+    target = tmp_path / "model"
+    if how != "replace_folder, new path":
+        (target / "sub").mkdir(parents=True)
+        (target / "README.md").write_text("kept")
+        (target / "sub" / "notes").write_text("kept too")
+    if how == "exchange unsupported":
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    events = record_disk_events(monkeypatch)
+    if how == "save_pretrained":
+        GPT2LMHeadModel(tiny_config()).save_pretrained(target)
+    else:
+        with files.replace_folder(target, keep=lambda name: True) as new:
+            (new / "deep" / "er").mkdir(parents=True)
+            (new / "deep" / "er" / "weights").write_bytes(b"new")
+    before, after = synced_before_and_after(events, target)
+    on_disk = [Path(root) / name for root, dirs, names in os.walk(target) for name in [*dirs, *names]] + [target]
+    assert len(on_disk) >= 3
+    assert {path: inode(path) in before for path in on_disk} == {path: True for path in on_disk}
+    assert inode(tmp_path) in after  # the parent's entry for the swapped name

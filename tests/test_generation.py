@@ -83,6 +83,27 @@ def test_repetition_penalty_matches_transformers(models):
     assert torch.equal(ours, theirs)
 
 
+def test_repetition_penalty_skips_left_padding_even_where_it_holds_the_tokens_to_come(models):
+    """Each left-padded row continues as the prompt alone does in transformers, although its
+    padding positions hold the very tokens that row goes on to write; the first real token still
+    counts (the last row's one token is what greedy decoding would repeat without the penalty)."""
+    model, hf = models
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        repeats = [t for t in range(1, 97) if hf(torch.tensor([[t]])).logits[0, -1].argmax() == t]
+    prompts = [torch.randint(1, 97, (n,), generator=g) for n in (6, 3)] + [torch.tensor(repeats[:1])]
+    kw = dict(max_new_tokens=10, eos_token_id=None, pad_token_id=0, repetition_penalty=2.0)
+    alone = [hf.generate(p[None], **kw)[0, len(p) :] for p in prompts]
+    assert alone[2][0] != prompts[2][0]  # the penalty on that token decides the row
+    ids = torch.zeros(3, 6, dtype=torch.long)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        n_pad = 6 - len(p)
+        ids[row, :n_pad], ids[row, n_pad:], mask[row, n_pad:] = alone[row][:n_pad], p, 1
+    batch = model.generate(ids, attention_mask=mask, **kw)[:, 6:]
+    assert torch.equal(batch, torch.stack(alone))
+
+
 def test_eos_stops_each_row(models):
     model, hf = models
     prompt = torch.tensor([[1, 2, 3], [40, 41, 42]])

@@ -161,3 +161,76 @@ def test_shipped_char_model_greedy_and_beams_equal_transformers():
         if "num_beams" in kw:
             _close(ours.sequences_scores, theirs.sequences_scores)
     assert len(set(tok.decode(ours.sequences[0, ids.size(1):].tolist()))) > 5  # real text, not one character
+
+
+def test_bad_words_whose_prefix_is_the_whole_prompt_ban_the_first_new_token(models):
+    model, hf = models
+    prompt = torch.tensor([[65]])
+    first = int(hf.generate(prompt, max_new_tokens=1, eos_token_id=None)[0, 1])  # what greedy picks after 65
+    kw = dict(max_new_tokens=5, eos_token_id=None, bad_words_ids=[[65, first]])
+    ours = model.generate(prompt, **kw)
+    assert torch.equal(ours, hf.generate(prompt, **kw))
+    assert ours[0, 1] != first  # banned at step 1, where the prefix [65] is all there is
+
+
+def test_a_prompt_ending_with_a_stop_string_goes_on_until_the_text_writes_it_again(models):
+    import transformers
+
+    from gpt2attn.tokenizer import char_tokenizer
+
+    model, hf = models
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))
+    free = hf.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=20, eos_token_id=None)
+    prompt = free[:, :8]
+    stop = tokenizer.decode(prompt[0, -2:].tolist())  # the prompt's last two characters
+    assert stop in tokenizer.decode(free[0, 9:].tolist())  # ... which the model writes again later
+    kw = dict(max_new_tokens=20, eos_token_id=None, stop_strings=[stop])
+    theirs = hf.generate(prompt, tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer), **kw)
+    ours = model.generate(prompt, tokenizer=tokenizer, **kw)
+    assert torch.equal(ours, theirs)
+    assert ours.size(1) > prompt.size(1) + 2 and tokenizer.decode(ours[0].tolist()).endswith(stop)
+
+
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
+                                       dict(repetition_penalty=1.2, no_repeat_ngram_size=3)],
+                         ids=["repetition_penalty", "no_repeat_ngram", "both"])
+def test_assisted_decoding_and_prompt_lookup_with_processors_equal_greedy(models, penalties):
+    """The check of each draft token sees the tokens accepted before it, never the drafts after it."""
+    model, hf = models
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])  # repeats itself: prompt lookup finds drafts
+    kw = dict(penalties, max_new_tokens=25, eos_token_id=None)
+    greedy = hf.generate(prompt, **kw)
+    small = randomize(GPT2LMHeadModel(tiny_config(n_positions=64, n_layer=1)), seed=5).eval()
+    assert torch.equal(model.generate(prompt, assistant_model=model, num_assistant_tokens=5, **kw), greedy)
+    assert torch.equal(model.generate(prompt, assistant_model=small, **kw), greedy)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=4, **kw), greedy)
+
+
+@pytest.mark.parametrize("kw", [dict(num_beams=2), dict(num_beams=2, num_return_sequences=2),
+                                dict(do_sample=True, num_return_sequences=2, top_k=5)],
+                         ids=["2 beams", "2 beams 2 sequences", "2 samples"])
+def test_a_given_cache_for_two_prompts_with_copies_per_prompt_equals_no_cache(models, kw):
+    """Each prompt's cached rows repeat per beam / sample (row 0, row 0, row 1, row 1), not tiled."""
+    model, hf = models
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(kw, max_new_tokens=8, eos_token_id=None)
+    past = model(ids[:, :4]).past_key_values
+    torch.manual_seed(7)
+    ours = model.generate(ids, past_key_values=past, **kw)
+    torch.manual_seed(7)
+    theirs = hf.generate(ids, **kw)  # no cache
+    assert torch.equal(ours, theirs)
+
+
+def test_early_stopping_never_with_a_negative_length_penalty_bounds_by_the_current_length(models):
+    """transformers' rule: with early_stopping="never" the best a running beam can still reach is
+    its score at max_length only for length_penalty > 0; below 0 a longer beam only loses, so the
+    bound is its current length. Bounding by max_length here stops the search before a later,
+    better hypothesis (the second one below) is found."""
+    model, hf = models
+    prompt = torch.tensor([[37, 88, 71, 57]])
+    kw = dict(num_beams=2, num_return_sequences=2, length_penalty=-1.0, early_stopping="never", eos_token_id=EOS,
+              max_new_tokens=20, return_dict_in_generate=True, output_scores=True)
+    ours, theirs = model.generate(prompt, **kw), hf.generate(prompt, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    _close(ours.sequences_scores, theirs.sequences_scores)

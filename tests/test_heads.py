@@ -148,6 +148,20 @@ def test_question_answering_parity():
     assert max(diffs.values()) < 1e-5, diffs
 
 
+def test_question_answering_loss_by_hand_ignores_positions_past_the_end():
+    """The loss from the logits by hand: a start or end at or past T counts for nothing, a
+    negative one as position 0; each half is the mean over the rows that count."""
+    model = randomize(GPT2ForQuestionAnswering(tiny_config()), 3).eval()
+    ids = torch.randint(0, 97, (4, 5), generator=torch.Generator().manual_seed(2))
+    start = torch.tensor([2, 5, 99, -3])  # rows 1 and 2 past the end (T = 5)
+    end = torch.tensor([7, 1, 4, 0])  # row 0 past the end
+    out = model(ids, start_positions=start, end_positions=end)
+    logp_start, logp_end = out.start_logits.log_softmax(-1), out.end_logits.log_softmax(-1)
+    start_loss = -(logp_start[0, 2] + logp_start[3, 0]) / 2
+    end_loss = -(logp_end[1, 1] + logp_end[2, 4] + logp_end[3, 0]) / 3
+    assert abs(out.loss.item() - (start_loss + end_loss).item() / 2) < 1e-6
+
+
 @pytest.mark.parametrize(
     "task",
     [{}, {"summary_activation": "tanh", "summary_first_dropout": 0.0}],

@@ -54,6 +54,16 @@ def test_config_reads_transformers_json_with_string_label_keys():
     assert ours.extra["transformers_version"] == hf.to_dict()["transformers_version"]
 
 
+def test_setting_num_labels_keeps_custom_labels_when_the_count_is_the_same_as_transformers():
+    labels = dict(id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1})
+    ours, hf = GPT2Config(**labels), transformers.GPT2Config(**labels)
+    ours.num_labels, hf.num_labels = 2, 2
+    assert (ours.id2label, ours.label2id) == (hf.id2label, hf.label2id) == (labels["id2label"], labels["label2id"])
+    ours.num_labels, hf.num_labels = 3, 3  # another count: fresh LABEL_i names
+    assert (ours.id2label, ours.label2id) == (hf.id2label, hf.label2id)
+    assert GPT2Config(num_labels=2, **labels).id2label == transformers.GPT2Config(num_labels=2, **labels).id2label
+
+
 def test_config_keeps_unknown_keys_as_attributes_and_warns_only_for_non_gpt2_keys():
     with pytest.warns(UserWarning, match="no GPT-2 config has.*type_vocab_size"):
         cfg = GPT2Config(type_vocab_size=16)

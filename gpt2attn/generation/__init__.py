@@ -1,5 +1,9 @@
 """Text generation for GPT2LMHeadModel, as transformers' generate() does it.
 
+Sits below the model: generate(model, ...) drives the model it is given (its `transformer` and
+`lm_head`) and imports only cache.py and outputs.py of gpt2attn; model.py imports this package for
+its generate() / generation_config.
+
     config.py      GenerationConfig: defaults from the model, overridden by keywords
     processors.py  logits processors, one small function each
     decoder.py     the model stepping on one preallocated, in-place KV cache

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..cache import KVCache, takes_past_key_values
+from ..cache import KVCache, as_cache, takes_past_key_values
 from ..outputs import ModelOutput
 from .config import GenerationConfig
 from .decoder import Decoder
@@ -180,9 +180,7 @@ class _Prompt:
 
         past_cache = None
         if past is not None:
-            from ..model import _as_cache
-
-            past_cache = _as_cache(past, mcfg, model.dtype)  # checked as the forward pass checks it
+            past_cache = as_cache(past, mcfg, model.dtype)  # checked as the forward pass checks it
         past_len = past_cache.length if past_cache is not None else 0
         if past_cache is not None and past_cache.batch_size != B:
             raise ValueError(f"past_key_values hold batch size {past_cache.batch_size}, the prompt has {B}")

@@ -8,14 +8,16 @@ other, and so are dtype and device. transformers is imported here only.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..config import GPT2Config
+
 # Class name (the same in both libraries) -> the gpt2attn module that defines ours. A task head slots
-# in with one line once it exists on our side.
+# in with one line once it exists on our side. Our classes call in here with themselves, so this
+# module never imports them (the model imports this bridge, not the other way round).
 BRIDGED = {
     "GPT2Model": "gpt2attn.model",
     "GPT2LMHeadModel": "gpt2attn.model",
@@ -40,16 +42,13 @@ def to_transformers(model: nn.Module, attn_implementation: str | None = None) ->
     return hf_model.train(model.training)
 
 
-def from_transformers(cls: type | None, hf_model: nn.Module) -> nn.Module:
-    """Our model of the same class (or `cls`, which must be it) whose parameters ARE `hf_model`'s."""
-    from ..config import GPT2Config
-
+def from_transformers(cls: type, hf_model: nn.Module) -> nn.Module:
+    """Our model of class `cls` (transformers' class name) whose parameters ARE `hf_model`'s."""
     name = _bridged_name(hf_model)
-    ours = getattr(importlib.import_module(BRIDGED[name]), name)
-    if cls is not None and cls.__name__ != name:
+    if cls.__name__ != name:
         raise TypeError(f"{cls.__name__}.from_transformers got a transformers {name}; use gpt2attn's {name}")
     with torch.device("meta"):
-        model = ours(GPT2Config.from_dict(hf_model.config.to_dict()))
+        model = cls(GPT2Config.from_dict(hf_model.config.to_dict()))
     _share_parameters(hf_model, model)
     return model.train(hf_model.training)
 

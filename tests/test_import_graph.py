@@ -1,0 +1,111 @@
+"""gpt2attn's import graph is a tree reading downward: no module imports, at the top or inside a
+function, anything that (through any chain) imports it back.
+
+The graph is read from the source with `ast`, so imports that only run on some code path count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import gpt2attn
+
+PACKAGE_DIR = Path(gpt2attn.__file__).resolve().parent
+
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` bodies never run, so their imports are not edges."""
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported_names(tree: ast.AST, importer: str, is_package: bool) -> set[str]:
+    """Every dotted module name the file may import (with the names it takes from each)."""
+    names: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if is_type_checking_block(node):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = importer.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            names.add(source)
+            names.update(f"{source}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) == "importlib.import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names.add(node.args[0].value)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for importer, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        targets = set()
+        for name in imported_names(tree, importer, path.name == "__init__.py"):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+                target = ".".join(parts[:i])
+                is_own_package = importer == target or importer.startswith(target + ".")
+                if target in files and not is_own_package:
+                    targets.add(target)
+        graph[importer] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path [a, b, ..., a], or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for target in sorted(graph[node]):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        cycle = visit(node)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert "gpt2attn.generation.generate" in graph["gpt2attn.model"] | graph["gpt2attn.generation"]
+    assert "gpt2attn.cache" in graph["gpt2attn.layers"]
+    assert "gpt2attn.model" in graph["gpt2attn.commands.generate"]  # a function-level import counts
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
