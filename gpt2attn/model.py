@@ -601,8 +601,13 @@ def _as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
         cache = past
     elif isinstance(past, (tuple, list)):
         cache = KVCache.from_legacy(past) if len(past) > 0 else None
-    elif hasattr(past, "layers"):  # transformers' DynamicCache
-        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers])
+    elif hasattr(past, "layers"):  # transformers' DynamicCache; an empty one (no layers yet, or
+        # layers not yet written, with config=) starts a loop, as no cache does
+        written = [layer for layer in past.layers if getattr(layer, "keys", None) is not None]
+        if written and len(written) != len(past.layers):
+            raise ValueError(f"past_key_values: the DynamicCache holds keys in {len(written)} of its "
+                             f"{len(past.layers)} layers")
+        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers]) if written else None
     else:
         raise ValueError(
             f"past_key_values must be a KVCache, a tuple of (key, value) pairs or a transformers "

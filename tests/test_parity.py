@@ -151,6 +151,20 @@ def test_legacy_tuple_past_is_accepted_and_left_untouched():
     assert max_diff(ours(x[:, 6:], past_key_values=hf_past).logits, out.logits) <= ATOL
 
 
+@pytest.mark.parametrize("with_config", [False, True], ids=["DynamicCache()", "DynamicCache(config=)"])
+def test_an_empty_dynamic_cache_starts_a_loop(with_config):
+    from transformers import DynamicCache
+
+    ours, hf = make_pair()
+    x = ids(2, 10)
+    empty = DynamicCache(config=hf.config) if with_config else DynamicCache()
+    first = ours(x[:, :6], past_key_values=empty)
+    assert torch.equal(first.logits, ours(x[:, :6]).logits)
+    then = ours(x[:, 6:], past_key_values=first.past_key_values)
+    assert max_diff(then.logits, ours(x).logits[:, 6:]) <= ATOL
+    assert max_diff(then.logits, hf(x).logits[:, 6:]) <= ATOL
+
+
 def test_left_padding_with_explicit_position_ids():
     ours, hf = make_pair()
     x = ids(3, 10)
