@@ -1,7 +1,9 @@
 """Bridges to other libraries, each importing its client lazily: `import gpt2attn` imports none of them.
 
+hooks.py         imports peft.py / trainer.py / pipeline.py once their client is imported (on `import gpt2attn`)
 transformers.py  zero-copy conversion to and from transformers' GPT-2 classes
-peft.py          LoRA on our Conv1D through PEFT (registered on `import gpt2attn.interop.peft`)
-trainer.py       transformers.Trainer checkpoints of our models (on `import gpt2attn.interop.trainer`)
+peft.py          LoRA on our Conv1D through PEFT
+trainer.py       transformers.Trainer checkpoints of our models
+pipeline.py      transformers.pipeline on our models, through the zero-copy bridge
 export.py        torch.export / ONNX of the prefill and the decode step
 """
