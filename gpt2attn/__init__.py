@@ -11,6 +11,9 @@ from .heads import (
     GPT2ForTokenClassification,
 )
 from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
+from .interop import hooks
+
+hooks.install()  # PEFT, transformers' Trainer and pipelines learn our models when (if ever) they are imported
 
 __version__ = "0.1.0"
 

@@ -194,8 +194,13 @@ def as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
         cache = past
     elif isinstance(past, (tuple, list)):
         cache = KVCache.from_legacy(past) if len(past) > 0 else None
-    elif hasattr(past, "layers"):  # transformers' DynamicCache
-        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers])
+    elif hasattr(past, "layers"):  # transformers' DynamicCache; an empty one (no layers yet, or
+        # layers not yet written, with config=) starts a loop, as no cache does
+        written = [layer for layer in past.layers if getattr(layer, "keys", None) is not None]
+        if written and len(written) != len(past.layers):
+            raise ValueError(f"past_key_values: the DynamicCache holds keys in {len(written)} of its "
+                             f"{len(past.layers)} layers")
+        cache = KVCache.from_legacy([(layer.keys, layer.values) for layer in past.layers]) if written else None
     else:
         raise ValueError(
             f"past_key_values must be a KVCache, a tuple of (key, value) pairs or a transformers "
@@ -215,6 +220,17 @@ def as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
         if key.dtype != dtype and not torch.is_autocast_enabled(key.device.type):
             raise ValueError(f"past_key_values have dtype {key.dtype}, the model's weights {dtype}")
     return cache
+
+
+def write_back(given: Any, cache: KVCache, start: int) -> Any:
+    """Extend a transformers DynamicCache that was passed in with what `cache` holds past `start`
+    (the tokens this forward pass added), as transformers' models extend theirs in place; returns it.
+    Anything else that was passed in (ours, legacy tuples, None) is left alone and `cache` returned."""
+    if given is None or isinstance(given, (KVCache, tuple, list)):
+        return cache
+    for i, (key, value) in enumerate(zip(cache.keys, cache.values)):
+        given.update(key[:, :, start : cache.length], value[:, :, start : cache.length], i)
+    return given
 
 
 # A pytree node, so torch.compile / torch.export see the tensors inside a cache.

@@ -17,7 +17,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
-from .cache import KVCache, as_cache, cached_length, takes_past_key_values
+from .cache import KVCache, as_cache, cached_length, takes_past_key_values, write_back
 from .config import GPT2Config, is_int
 from .formats.hf import save_pretrained
 from .generation import GenerationConfig, compute_transition_scores, generate
@@ -283,7 +283,7 @@ class GPT2Model(GPT2PreTrainedModel):
         device = self.wte.weight.device
         input_ids, inputs_embeds = _check_inputs(cfg, input_ids, inputs_embeds, self.wte.weight.dtype, device)
         B, T = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        cache = as_cache(cache, cfg, self.wte.weight.dtype)
+        given, cache = cache, as_cache(cache, cfg, self.wte.weight.dtype)
         if cache is None and use_cache:
             cache = KVCache(cfg.n_layer)
         past_len = cache.length if cache is not None else 0
@@ -335,6 +335,7 @@ class GPT2Model(GPT2PreTrainedModel):
                     all_cross.append(cross)
         if cache is not None:
             cache.advance(T)
+            cache = write_back(given, cache, past_len)  # a DynamicCache passed in grows, as in transformers
         x = self.ln_f(x)
         if all_hidden is not None:
             all_hidden.append(x)

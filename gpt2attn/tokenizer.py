@@ -3,9 +3,9 @@
 `load_tokenizer(src)` reads GPT-2's byte-level BPE from `tokenizer.json`, HF's
 `vocab.json` + `merges.txt`, or OpenAI's `encoder.json` + `vocab.bpe`.
 `char_tokenizer(text)` makes a character-level vocabulary (ids 0..V-1, sorted characters),
-as nanoGPT's shakespeare_char does. `encode(tokenizer, text)` gives the ids, or a ValueError
-naming the characters a vocabulary lacks. `token_labels(tokenizer, ids)` gives each token's text
-with its whitespace made visible, for tick labels and pages.
+as nanoGPT's shakespeare_char does; its `encode` (like `encode(tokenizer, text)` for any
+tokenizer) raises a ValueError naming the characters the vocabulary lacks. `token_labels(tokenizer,
+ids)` gives each token's text with its whitespace made visible, for tick labels and pages.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .hub import resolve
 EOS_TOKEN = "<|endoftext|>"
 
 
-def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(src: str | Path, cache_dir: str | Path | None = None) -> Tokenizer | CharTokenizer:
     """The tokenizer stored in folder src (or a tokenizer.json file, or a hub model's folder)."""
     path = resolve(src, cache_dir)
     if path.is_file():
@@ -43,15 +43,7 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     try:
         return tokenizer.encode(text).ids
     except Exception as e:  # tokenizers raises plain Exception ("Missing [UNK] token ...")
-        vocab = tokenizer.get_vocab()
-        pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text) if tokenizer.pre_tokenizer else [(text, None)]
-        missing = [piece for piece in dict.fromkeys(piece for piece, _ in pieces) if piece not in vocab]
-        if not missing:
-            raise ValueError(f"cannot encode the text: {e}") from None
-        shown = ", ".join(f"{piece!r} ({', '.join(f'U+{ord(c):04X}' for c in piece)})" for piece in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"the text has characters that the tokenizer's vocabulary ({len(vocab)} tokens) "
-                         f"does not hold: {shown}{more}") from None
+        raise _missing_characters(tokenizer, text, e) from None
 
 
 def token_labels(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
@@ -83,9 +75,68 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
-def _tokenizer_json(path: Path) -> Tokenizer:
+def _missing_characters(tokenizer: Tokenizer, text: str, error: Exception) -> ValueError:
+    """The error for text that tokenizer failed on: the characters its vocabulary lacks, by name."""
+    vocab = tokenizer.get_vocab()
+    pieces = tokenizer.pre_tokenizer.pre_tokenize_str(text) if tokenizer.pre_tokenizer else [(text, None)]
+    missing = [piece for piece in dict.fromkeys(piece for piece, _ in pieces) if piece not in vocab]
+    if not missing:
+        return ValueError(f"cannot encode the text: {error}")
+    shown = ", ".join(f"{piece!r} ({', '.join(f'U+{ord(c):04X}' for c in piece)})" for piece in missing[:20])
+    more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+    return ValueError(f"the text has characters that the tokenizer's vocabulary ({len(vocab)} tokens) "
+                      f"does not hold: {shown}{more}")
+
+
+class CharTokenizer:
+    """A character-level `tokenizers.Tokenizer` (a WordLevel vocabulary without an unknown token)
+    whose `encode` / `encode_batch` raise a ValueError naming the characters it lacks, where
+    tokenizers says "Missing [UNK] token". tokenizers' class cannot be subclassed, so this holds
+    one as `.tokenizer` and passes every other attribute, read or set, through to it."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        object.__setattr__(self, "tokenizer", tokenizer)
+
+    def encode(self, sequence, *args, **kwargs):
+        try:
+            return self.tokenizer.encode(sequence, *args, **kwargs)
+        except Exception as e:
+            raise _missing_characters(self.tokenizer, str(sequence), e) from None
+
+    def encode_batch(self, inputs, *args, **kwargs):
+        try:
+            return self.tokenizer.encode_batch(inputs, *args, **kwargs)
+        except Exception as e:
+            raise _missing_characters(self.tokenizer, "".join(map(str, inputs)), e) from None
+
+    def save(self, path: str, pretty: bool = True) -> None:
+        # Spelled out: __getattr__ never sees a name every object has, and nnsight gives every
+        # object a `save` once it is imported.
+        self.tokenizer.save(path, pretty)
+
+    def __getattr__(self, name: str):
+        if name == "tokenizer":  # not set yet (copy, unpickling): no endless lookup
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.tokenizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer({self.tokenizer.get_vocab_size()} characters)"
+
+
+def _with_character_errors(tokenizer: Tokenizer) -> Tokenizer | CharTokenizer:
+    """tokenizer, wrapped in CharTokenizer when it is a vocabulary without an unknown token."""
+    model = tokenizer.model
+    if isinstance(model, models.WordLevel) and tokenizer.token_to_id(model.unk_token) is None:
+        return CharTokenizer(tokenizer)
+    return tokenizer
+
+
+def _tokenizer_json(path: Path) -> Tokenizer | CharTokenizer:
     try:
-        return Tokenizer.from_file(str(path))
+        return _with_character_errors(Tokenizer.from_file(str(path)))
     except Exception as e:  # tokenizers raises plain Exception for every problem
         raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
 
@@ -109,7 +160,7 @@ def _byte_level_bpe(vocab_file: Path, merges_file: Path) -> Tokenizer:
     return tok
 
 
-def char_tokenizer(text: str) -> Tokenizer:
+def char_tokenizer(text: str) -> CharTokenizer:
     """One id per distinct character of text, in sorted order; encode/decode round-trip exactly."""
     if not text:
         raise ValueError("char_tokenizer needs a non-empty text to take its characters from")
@@ -118,4 +169,4 @@ def char_tokenizer(text: str) -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return tok
+    return CharTokenizer(tok)

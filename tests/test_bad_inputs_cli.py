@@ -31,6 +31,11 @@ def paths(tmp_path_factory):
     model = root / "model"
     randomize(GPT2LMHeadModel(tiny_config(vocab_size=len(set(TEXT)), n_positions=64)), seed=0).save_pretrained(model)
     char_tokenizer(TEXT).save(str(model / "tokenizer.json"))
+    small = root / "small_vocab"  # a tokenizer with more tokens (and an eos) than the model has rows
+    randomize(GPT2LMHeadModel(tiny_config(vocab_size=8, n_positions=64)), seed=0).save_pretrained(small)
+    tok = char_tokenizer(TEXT)
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(small / "tokenizer.json"))
     (root / "text.txt").write_text(TEXT * 10)
     (root / "other.txt").write_text(TEXT.upper() * 10)  # other characters: another vocabulary
     (root / "latin1.txt").write_bytes("Zo é".encode("latin-1") * 50)
@@ -60,6 +65,9 @@ CASES = {
                                             "--format", "json"], "is a file; give the model's folder"),
     "generate: weights file as --model": (["generate", "--model", "{root}/model/model.safetensors", "To be"],
                                           "is a file; give the model's folder"),
+    "generate: tokenizer bigger than the model": (["generate", "--model", "{root}/small_vocab", "To be"],
+                                                  f"the tokenizer has {len(set(TEXT)) + 1} tokens but the model's "
+                                                  "vocabulary only 8"),
     "convert into a file": (["convert", "{root}/model", "{root}/file"], "{root}/file is a file, not a folder"),
     "convert below a file": (["convert", "{root}/model", "{root}/file/out"], "{root}/file is a file, not a folder"),
     "train: out_dir is a file": (["train", "--data={root}/text.txt", "--out_dir={root}/file", *TINY],

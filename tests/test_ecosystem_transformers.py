@@ -11,7 +11,7 @@ import transformers
 
 from helpers import max_diff, randomize, tiny_config
 
-from gpt2attn import GPT2LMHeadModel, GPT2Model
+from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model
 from gpt2attn.interop.transformers import BRIDGED
 from gpt2attn.tokenizer import char_tokenizer
 
@@ -129,6 +129,30 @@ def test_pipeline_text_generation_on_our_weights():
     assert len(want) == prompt.size(1) + 6 and list(out) == want.tolist()
     text = pipe("to be or", max_new_tokens=6, do_sample=False)[0]["generated_text"]
     assert text == tok.decode(want)
+
+
+@pytest.mark.parametrize("config", ["tiny", "default"])
+def test_pipeline_takes_our_model_itself(config):
+    """pipeline(model=ours) runs on ours.to_transformers(): the same tokens, greedy and seeded sampling,
+    with our generation config (here no_repeat_ngram_size=2), also for a default-config model."""
+    tok = char_hf_tokenizer()
+    cfg = tiny_config(vocab_size=len(tok)) if config == "tiny" else GPT2Config(vocab_size=len(tok), n_embd=32,
+                                                                                n_layer=1, n_head=2)
+    ours = randomize(GPT2LMHeadModel(cfg), std=0.5).eval()
+    ours.generation_config = ours.generation_config.update(no_repeat_ngram_size=2)
+    pipe = transformers.pipeline("text-generation", model=ours, tokenizer=tok)
+    bridge = transformers.pipeline("text-generation", model=ours.to_transformers(), tokenizer=tok)
+    assert same_storage(pipe.model, ours)
+    for settings in (dict(do_sample=False), dict(do_sample=True, top_k=5)):
+        got, want = [], []
+        for p, tokens in ((pipe, got), (bridge, want)):
+            torch.manual_seed(0)
+            tokens.extend(p("to be or", max_new_tokens=12, return_tensors=True, **settings)[0]["generated_token_ids"])
+        assert got == want, settings
+    prompt = torch.tensor([tok("to be or")["input_ids"]])
+    assert got[: prompt.size(1)] == prompt[0].tolist() and len(got) == prompt.size(1) + 12
+    greedy = pipe("to be or", max_new_tokens=12, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    assert list(greedy) == ours.generate(prompt, max_new_tokens=12)[0].tolist()
 
 
 def test_nnsight_language_model_on_our_weights():

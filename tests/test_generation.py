@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpt2attn import GPT2LMHeadModel
+from gpt2attn import GPT2Config, GPT2LMHeadModel
 from helpers import hf_twin, randomize, tiny_config
 
 
@@ -17,6 +17,32 @@ def test_greedy_matches_transformers(models):
     ours = model.generate(prompt, max_new_tokens=20)
     theirs = hf.generate(prompt, max_new_tokens=20)
     assert torch.equal(ours, theirs)
+
+
+def test_a_default_config_model_generates_like_transformers():
+    """GPT-2's default config keeps bos = eos = 50256; with a smaller vocabulary that eos never
+    occurs, so it never stops a row, and min_new_tokens has nothing to suppress."""
+    model = randomize(GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2)), seed=2).eval()
+    hf = model.to_transformers().eval()
+    prompt = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    for settings in (dict(), dict(num_beams=3, min_new_tokens=4), dict(do_sample=True, top_k=5)):
+        torch.manual_seed(0)
+        ours = model.generate(prompt, max_new_tokens=12, **settings)
+        torch.manual_seed(0)
+        theirs = hf.generate(prompt, max_new_tokens=12, **settings)
+        assert ours.shape == (2, 17) and torch.equal(ours, theirs), settings
+
+
+def test_input_ids_and_their_embeddings_give_the_ids_then_the_new_tokens(models):
+    model, hf = models
+    prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    embeds = model.transformer.wte(prompt).detach() + 0.01  # not the ids' own: the embeddings are what counts
+    ours = model.generate(prompt, inputs_embeds=embeds, max_new_tokens=8)
+    assert torch.equal(ours, hf.generate(prompt, inputs_embeds=embeds, max_new_tokens=8))
+    assert torch.equal(ours[:, :6], prompt)
+    assert torch.equal(ours[:, 6:], model.generate(inputs_embeds=embeds, max_new_tokens=8))
+    with pytest.raises(ValueError, match="input_ids must be the 0 cached tokens or those and the 6"):
+        model.generate(prompt[:, :4], inputs_embeds=embeds, max_new_tokens=8)
 
 
 def test_left_padded_batch_equals_each_prompt_alone(models):

@@ -151,6 +151,36 @@ def test_legacy_tuple_past_is_accepted_and_left_untouched():
     assert max_diff(ours(x[:, 6:], past_key_values=hf_past).logits, out.logits) <= ATOL
 
 
+@pytest.mark.parametrize("with_config", [False, True], ids=["DynamicCache()", "DynamicCache(config=)"])
+def test_an_empty_dynamic_cache_starts_a_loop(with_config):
+    from transformers import DynamicCache
+
+    ours, hf = make_pair()
+    x = ids(2, 10)
+    empty = DynamicCache(config=hf.config) if with_config else DynamicCache()
+    first = ours(x[:, :6], past_key_values=empty)
+    assert torch.equal(first.logits, ours(x[:, :6]).logits)
+    then = ours(x[:, 6:], past_key_values=first.past_key_values)
+    assert max_diff(then.logits, ours(x).logits[:, 6:]) <= ATOL
+    assert max_diff(then.logits, hf(x).logits[:, 6:]) <= ATOL
+
+
+@pytest.mark.parametrize("with_config", [False, True])
+def test_a_dynamic_cache_passed_in_grows_in_place_as_in_transformers(with_config):
+    """transformers' loops keep passing the same DynamicCache object: each call extends it."""
+    from transformers import DynamicCache
+
+    ours, hf = make_pair()
+    x = ids(2, 10)
+    cache = DynamicCache(config=hf.config) if with_config else DynamicCache()
+    steps = [ours(x[:, :6], cache=cache).logits]
+    for t in range(6, 10):
+        out = ours(x[:, t : t + 1], cache=cache)
+        assert out.cache is cache and cache.get_seq_length() == t + 1
+        steps.append(out.logits)
+    assert max_diff(torch.cat(steps, dim=1), hf(x).logits) <= ATOL
+
+
 def test_left_padding_with_explicit_position_ids():
     ours, hf = make_pair()
     x = ids(3, 10)

@@ -75,3 +75,22 @@ def test_commands_name_the_characters_the_shipped_model_cannot_encode(command, c
 def test_encode_gives_the_ids_when_every_character_is_known():
     tok = char_tokenizer("abc ")
     assert encode(tok, "cab a") == tok.encode("cab a").ids == [3, 1, 2, 0, 1]
+
+
+def test_a_char_vocabulary_s_own_encode_names_the_missing_character(tmp_path):
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+
+    shipped = load_tokenizer(DEFAULT_MODEL_DIR)  # the default model's character vocabulary
+    for tok in (shipped, char_tokenizer("abc ")):
+        with pytest.raises(ValueError, match=r"does not hold: 'é' \(U\+00E9\)"):
+            tok.encode("é")
+        with pytest.raises(ValueError, match=r"does not hold: 'é' \(U\+00E9\)"):
+            tok.encode_batch(["a", "bé"])
+        assert tok.decode(tok.encode("a b").ids) == "a b"
+    # everything else passes through: settings, saving, loading back
+    tok = char_tokenizer("abc ")
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    again = load_tokenizer(tmp_path)
+    assert again.get_vocab() == tok.get_vocab() and again.get_vocab_size() == 5
+    assert isinstance(load_tokenizer(tmp_path).tokenizer, Tokenizer)

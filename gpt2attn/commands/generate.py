@@ -47,6 +47,9 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(folder)
     model = GPT2LMHeadModel.from_pretrained(folder, quantize=args.quantize).eval()
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(f"{folder}: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                         f"vocabulary only {model.config.vocab_size} (vocab_size): they do not belong together")
     prompt_ids = encode(tokenizer, args.prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -62,7 +65,7 @@ def run(args) -> int:
         if not args.greedy:
             raise ValueError("--prompt-lookup needs --greedy (assisted decoding is greedy)")
     cfg = model.generation_config.update(**{k: v for k, v in settings.items() if k != "tokenizer"})
-    cfg.check(model.config.vocab_size)  # bad settings fail here, before any output
+    cfg.check(model.config.vocab_size, keywords=settings)  # bad settings fail here, before any output
     seed = args.seed if args.seed is not None else torch.seed()
     for i in range(args.num_samples):
         if i:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,13 @@ class GenerationConfig:
         eos = self.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-    def check(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first setting out of range."""
+    def check(self, vocab_size: int, keywords: Iterable[str] = ()) -> None:
+        """Raise ValueError naming the first setting out of range.
+
+        bos / eos / pad ids named in `keywords` (the caller's own) must lie in the vocabulary. The
+        model's own may lie beyond it, as in transformers: a small model built from GPT-2's default
+        config keeps bos = eos = 50256, an id that never occurs, so that eos never stops a row.
+        """
         _int_at_least("num_beams", self.num_beams, 1)
         _int_at_least("num_return_sequences", self.num_return_sequences, 1)
         _int_at_least("min_length", self.min_length, 0)
@@ -148,14 +154,19 @@ class GenerationConfig:
             raise ValueError(
                 f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams})"
             )
+        def id_range(name: str) -> tuple[float, str]:
+            return (vocab_size, f"in [0, {vocab_size})") if name in keywords else (math.inf, ">= 0")
+
         for name in ("bos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and (not _int(value) or not 0 <= value < vocab_size):
-                raise ValueError(f"{name} must be a token id in [0, {vocab_size}), got {value!r}")
+            end, where = id_range(name)
+            if value is not None and (not _int(value) or not 0 <= value < end):
+                raise ValueError(f"{name} must be a token id {where}, got {value!r}")
         eos = self.eos_token_id
         eos_list = [eos] if not isinstance(eos, (list, tuple)) and eos is not None else list(eos or [])
-        if any(not _int(t) or not 0 <= t < vocab_size for t in eos_list) or isinstance(eos, (list, tuple)) and not eos:
-            raise ValueError(f"eos_token_id must be a token id in [0, {vocab_size}) or a non-empty list of them, got {eos!r}")
+        end, where = id_range("eos_token_id")
+        if any(not _int(t) or not 0 <= t < end for t in eos_list) or isinstance(eos, (list, tuple)) and not eos:
+            raise ValueError(f"eos_token_id must be a token id {where} or a non-empty list of them, got {eos!r}")
         if self.bad_words_ids is not None:
             bad = self.bad_words_ids
             if not isinstance(bad, (list, tuple)) or not bad or any(

@@ -69,7 +69,7 @@ def generate(
     """
     cfg = (generation_config or model.generation_config).update(**kwargs)
     mcfg = model.config
-    cfg.check(mcfg.vocab_size)
+    cfg.check(mcfg.vocab_size, keywords=kwargs)
     if cfg.pad_token_id is None and cfg.eos_ids:
         cfg.pad_token_id = cfg.eos_ids[0]  # as transformers does for open-ended generation
     prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, cache)
@@ -185,9 +185,12 @@ class _Prompt:
         if past_cache is not None and past_cache.batch_size != B:
             raise ValueError(f"past_key_values hold batch size {past_cache.batch_size}, the prompt has {B}")
 
-        if embeds is not None:  # the prompt is the embeddings (any input_ids given are the cached tokens)
-            if ids is not None and ids.size(1) != past_len:
-                raise ValueError(f"with inputs_embeds, input_ids must be the {past_len} cached tokens, got {ids.size(1)}")
+        if embeds is not None:  # the prompt is the embeddings; input_ids given are the tokens out starts with:
+            # the cached ones, or those and the ones the embeddings stand for (as transformers returns them)
+            if ids is not None and ids.size(1) not in (past_len, past_len + embeds.size(1)):
+                raise ValueError(f"with inputs_embeds of {embeds.size(1)} positions, input_ids must be the "
+                                 f"{past_len} cached tokens or those and the {embeds.size(1)} the embeddings "
+                                 f"stand for, got {ids.size(1)}")
             if embeds.size(0) != B:
                 raise ValueError(f"inputs_embeds have batch size {embeds.size(0)}, input_ids {B}")
             ids = ids if ids is not None else torch.zeros(B, 0, dtype=torch.long, device=self.device)

@@ -112,7 +112,7 @@ def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tens
     prompt_len: ids before the first new token (min_new_tokens counts from there).
     prompt_padding [N, prompt_len] (bool): left padding, not counted by the repetition penalty.
     """
-    eos = torch.tensor(cfg.eos_ids, dtype=torch.long)
+    eos = torch.tensor([t for t in cfg.eos_ids if t < vocab_size], dtype=torch.long)  # an id beyond never occurs
     chain: list[Processor] = []
     if cfg.repetition_penalty != 1.0:
         def penalize(ids, s, penalty=cfg.repetition_penalty):
@@ -134,7 +134,7 @@ def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tens
         chain.append(lambda ids, s: suppress(s, eos.to(s.device)) if ids.size(1) < n else s)
     if cfg.do_sample:
         # Beams keep at least one token besides eos, so a beam can always go on.
-        keep = len(eos) + 1 if cfg.num_beams > 1 and len(eos) else 2 if cfg.num_beams > 1 else 1
+        keep = len(cfg.eos_ids) + 1 if cfg.num_beams > 1 and cfg.eos_ids else 2 if cfg.num_beams > 1 else 1
         if cfg.temperature != 1.0:
             chain.append(lambda ids, s, t=cfg.temperature: temperature(s, t))
         if cfg.top_k:

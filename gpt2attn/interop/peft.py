@@ -1,6 +1,6 @@
 """LoRA through PEFT on gpt2attn's Conv1D, exactly as PEFT does it for transformers' Conv1D.
 
-    import gpt2attn.interop.peft  # once; then, as for transformers' GPT-2:
+    # once peft is imported (gpt2attn.interop.hooks imports this module), as for transformers' GPT-2:
     model = get_peft_model(model, LoraConfig(target_modules=["c_attn", "c_proj", "c_fc"]))
 
 PEFT picks the LoRA layer for a module by its class, and knows transformers' `Conv1D` but not ours.

@@ -1,6 +1,6 @@
 """transformers.Trainer checkpoints of gpt2attn models: full HF folders, written by our save_pretrained.
 
-    import gpt2attn.interop.trainer  # once; then, as for transformers' GPT-2:
+    # once transformers.trainer is imported (gpt2attn.interop.hooks imports this module), as for transformers' GPT-2:
     transformers.Trainer(model=model, args=args, train_dataset=ds).train()
 
 The Trainer hands a transformers PreTrainedModel to its save_pretrained and writes any other module as

@@ -39,6 +39,8 @@ def to_transformers(model: nn.Module, attn_implementation: str | None = None) ->
     with torch.device("meta"):
         hf_model = getattr(transformers, name)(hf_config)
     _share_parameters(model, hf_model)
+    if model.can_generate():  # generate's defaults too (a folder's generation_config.json, or as set)
+        hf_model.generation_config = transformers.GenerationConfig.from_dict(model.generation_config.to_dict())
     return hf_model.train(model.training)
 
 
