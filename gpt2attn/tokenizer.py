@@ -152,11 +152,23 @@ def _byte_level_bpe(vocab_file: Path, merges_file: Path) -> Tokenizer:
         bpe = models.BPE.from_file(str(vocab_file), str(merges_file))
     except Exception as e:  # the vocabulary was read above, so the merges are at fault
         raise ValueError(f"{merges_file}: not readable merges for {vocab_file.name} ({e})") from None
+    return _byte_level(bpe, [EOS_TOKEN])
+
+
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: list[str] = (EOS_TOKEN,)) -> Tokenizer:
+    """GPT-2's byte-level BPE from its vocabulary (token -> id) and merges, as a GGUF file embeds them."""
+    try:
+        bpe = models.BPE(vocab, merges)
+    except Exception as e:  # tokenizers raises plain Exception
+        raise ValueError(f"not a readable BPE vocabulary and merges ({e})") from None
+    return _byte_level(bpe, special)
+
+
+def _byte_level(bpe: models.BPE, special: list[str]) -> Tokenizer:
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    if bpe.token_to_id(EOS_TOKEN) is not None:
-        tok.add_special_tokens([EOS_TOKEN])
+    tok.add_special_tokens([t for t in special if bpe.token_to_id(t) is not None])
     return tok
 
 

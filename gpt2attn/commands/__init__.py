@@ -14,10 +14,26 @@ from pathlib import Path
 
 
 def model_folder(src: str | Path) -> Path:
-    """A --model argument as a folder: a local one, or a hub name's cached one (not a weights file)."""
+    """A --model argument: a folder (local, or a hub name's cached one), or a GGUF file, which
+    carries its tokenizer. Other weights files are refused: their tokenizer is not beside them."""
+    from ..formats import gguf
     from ..hub import resolve
 
-    folder = resolve(src)
-    if not folder.is_dir():
-        raise ValueError(f"--model {src} is a file; give the model's folder (config.json, weights, tokenizer files)")
-    return folder
+    path = resolve(src)
+    if not path.is_dir() and not gguf.detect(path):
+        raise ValueError(f"--model {src} is a file; give the model's folder (config.json, weights, tokenizer "
+                         f"files) or a .gguf file")
+    return path
+
+
+def load_tokenizer_of(src: Path):
+    """The tokenizer of a model_folder(): a GGUF file's embedded one, or the folder's files."""
+    from ..formats import gguf
+    from ..tokenizer import load_tokenizer
+
+    if gguf.detect(src):
+        tokenizer = gguf.tokenizer_of(src)
+        if tokenizer is None:
+            raise ValueError(f"{src}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens)")
+        return tokenizer
+    return load_tokenizer(src)

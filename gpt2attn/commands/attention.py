@@ -10,7 +10,7 @@ from pathlib import Path
 from ..files import write_atomic, write_text_atomic
 from ..generation import DEFAULT_MODEL_DIR
 from ..tokenizer import visible
-from . import model_folder
+from . import load_tokenizer_of, model_folder
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
 
@@ -52,10 +52,10 @@ def attention_weights(src, text: str, layer: int, head: int | None):
 
     from .. import inspect
     from ..model import GPT2LMHeadModel
-    from ..tokenizer import encode, load_tokenizer
+    from ..tokenizer import encode
 
     src = model_folder(src)  # a folder, or a hub name's cached folder
-    tokenizer = load_tokenizer(src)
+    tokenizer = load_tokenizer_of(src)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
     cfg = model.config
     ids = encode(tokenizer, text)

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..generation import DEFAULT_MODEL_DIR
-from . import model_folder
+from . import load_tokenizer_of, model_folder
 
 HELP = "write one self-contained HTML page with every layer and head, head ablations and decoding steps"
 
@@ -25,7 +25,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..explore import explore
     from ..model import GPT2LMHeadModel
-    from ..tokenizer import load_tokenizer
 
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give a file name")
@@ -33,7 +32,7 @@ def run(args) -> int:
         raise ValueError(f"--generate {args.generate}: give 0 or more steps")
     src = model_folder(args.model)
     try:
-        tokenizer = load_tokenizer(src)
+        tokenizer = load_tokenizer_of(src)
     except FileNotFoundError as e:  # a folder with weights but no tokenizer files
         raise ValueError(str(e)) from None
     model = GPT2LMHeadModel.from_pretrained(src).eval()

@@ -35,17 +35,17 @@ SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_p
 def run(args) -> int:
     import torch
 
-    from . import model_folder
+    from . import load_tokenizer_of, model_folder
     from ..generation import DEFAULT_MODEL_DIR
     from ..model import GPT2LMHeadModel
-    from ..tokenizer import encode, load_tokenizer
+    from ..tokenizer import encode
 
     folder = model_folder(args.model) if args.model else DEFAULT_MODEL_DIR  # a folder, or a hub name's cached one
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer_of(folder)
     model = GPT2LMHeadModel.from_pretrained(folder, quantize=args.quantize).eval()
     if tokenizer.get_vocab_size() > model.config.vocab_size:
         raise ValueError(f"{folder}: the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "

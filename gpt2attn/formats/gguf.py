@@ -1,0 +1,284 @@
+"""GGUF, the model file of llama.cpp, Ollama and LM Studio, for GPT-2 (`general.architecture = gpt2`).
+
+A GGUF file holds key-value metadata (the config under `gpt2.*`, the BPE tokenizer under
+`tokenizer.ggml.*`) and named tensors, each of a GGML type: F32, F16, BF16 or a block-quantized
+one (Q8_0, Q4_0, ..., Q6_K). Names and layouts are llama.cpp's (`blk.{i}.attn_qkv.weight`, ...):
+its four linear weights are stored as Linear's (out, in) and come back here as Conv1D's (in, out).
+The `gguf` package (the extra `gpt2attn[gguf]`) parses the file (memory-mapped) and holds the
+reference dequantizers. Every tensor is read as float32 (llama.cpp computes in F32 too): F32
+ones stay views of the mapped file, the others are widened or dequantized.
+
+Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
+1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
+tokenizer embedded when it is GPT-2's byte-level BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import GPT2Config
+from ..files import write_atomic
+from ..tokenizer import EOS_TOKEN, byte_level_bpe
+from .state_dict import normalize_keys
+
+NAME = "gguf"
+SUFFIXES = (".gguf",)
+MAGIC = b"GGUF"
+
+# llama.cpp's tensor names -> ours; blk.{i}.NAME -> transformer.h.{i}.NAME
+GLOBAL_NAMES = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_NAMES = {
+    "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}
+LINEARS = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")  # (out, in) in GGUF
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+WRITE_TYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}  # (type, file_type)
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading and writing GGUF files needs the gguf package: pip install 'gpt2attn[gguf]'") from None
+    return gguf
+
+
+def detect(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def open_reader(path: Path):
+    """gguf's GGUFReader over the file; every parse failure as one ValueError naming the file."""
+    gguf = _gguf()
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != MAGIC:
+        raise ValueError(f"{path}: not a GGUF file: magic is {head[:4]!r}, expected {MAGIC!r}")
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if version not in (2, 3):
+        raise ValueError(f"{path}: unsupported GGUF version {version}: gpt2attn reads versions 2 and 3")
+    try:
+        return gguf.GGUFReader(path, "c")  # copy-on-write: writable views, the file untouched
+    except Exception as e:  # struct, numpy and ValueError from deep inside the parser
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or damaged: {type(e).__name__}: {e})") from None
+
+
+def _field(reader, path: Path, key: str, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ValueError(f"{path}: GGUF metadata has no {key}")
+        return default
+    return field.contents()
+
+
+def read_config(reader, path: Path) -> GPT2Config:
+    arch = _field(reader, path, "general.architecture")
+    if arch != "gpt2":
+        raise ValueError(f"{path}: general.architecture is {arch!r}; gpt2attn reads GPT-2 ('gpt2') GGUF files")
+    embd = {t.name: t for t in reader.tensors}.get("token_embd.weight")
+    if embd is None:
+        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
+    n_embd = int(_field(reader, path, "gpt2.embedding_length"))
+    ff = int(_field(reader, path, "gpt2.feed_forward_length", 4 * n_embd))
+    return GPT2Config(
+        vocab_size=int(embd.shape[1]),  # ne = (n_embd, vocab)
+        n_positions=int(_field(reader, path, "gpt2.context_length")),
+        n_embd=n_embd,
+        n_layer=int(_field(reader, path, "gpt2.block_count")),
+        n_head=int(_field(reader, path, "gpt2.attention.head_count")),
+        n_inner=None if ff == 4 * n_embd else ff,
+        layer_norm_epsilon=float(_field(reader, path, "gpt2.attention.layer_norm_epsilon", 1e-5)),
+        bos_token_id=int(_field(reader, path, "tokenizer.ggml.bos_token_id", 50256)),
+        eos_token_id=int(_field(reader, path, "tokenizer.ggml.eos_token_id", 50256)),
+        activation_function="gelu_new",
+    )
+
+
+def our_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match and match.group(2) in BLOCK_NAMES:
+        return f"transformer.h.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def tensor_of(tensor, path: Path) -> Tensor:
+    """One GGUF tensor as a float32 torch tensor in its numpy shape (rows = ne[1]): F32 a view of the
+    mapped file (copy-on-write), F16 and BF16 widened, quantized types dequantized."""
+    gguf = _gguf()
+    kind = tensor.tensor_type.name
+    if kind not in READ_TYPES:
+        raise ValueError(f"{path}: tensor {tensor.name} has GGML type {kind}, which gpt2attn does not read "
+                         f"(it reads {', '.join(READ_TYPES)})")
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ne is innermost first
+    if kind in ("F32", "F16"):
+        data = torch.from_numpy(tensor.data).float()
+    elif kind == "BF16":
+        data = torch.from_numpy(tensor.data).view(torch.int16).view(torch.bfloat16).float()
+    else:
+        data = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    if data.numel() != int(np.prod(shape)):
+        raise ValueError(f"{path}: tensor {tensor.name} holds {data.numel()} values, its header says {shape}")
+    return data.reshape(shape)
+
+
+def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
+    """The config from the gpt2.* metadata, the HF-keyed state dict (linear weights back to Conv1D's
+    (in, out); lm_head only when it differs from wte, else tied) and the embedded tokenizer."""
+    reader = open_reader(path)
+    config = read_config(reader, path)
+    state = {}
+    for tensor in reader.tensors:
+        name = our_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: tensor {tensor.name} is not one of GPT-2's")
+        data = tensor_of(tensor, path)
+        state[name] = data.t() if tensor.name.endswith(LINEARS) else data
+    head = state.get("lm_head.weight")
+    if head is not None and torch.equal(head, state["transformer.wte.weight"]):
+        del state["lm_head.weight"]  # llama.cpp's converter writes the tied head twice
+    config.tie_word_embeddings = "lm_head.weight" not in state
+    return config, state, read_tokenizer(reader, path)
+
+
+def read_tokenizer(reader, path: Path):
+    """The embedded GPT-2 BPE (tokenizer.ggml.tokens / merges) as a tokenizers.Tokenizer, or None."""
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None
+    model = _field(reader, path, "tokenizer.ggml.model", "gpt2")
+    if model != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {model!r}; gpt2attn reads GPT-2's BPE ('gpt2')")
+    tokens = _field(reader, path, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, path, "tokenizer.ggml.merges", [])]
+    types = _field(reader, path, "tokenizer.ggml.token_type", [1] * len(tokens))
+    special = [t for t, kind in zip(tokens, types) if kind == 3]  # CONTROL
+    return byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, special)
+
+
+def tokenizer_of(path: Path):
+    """The tokenizer embedded in the GGUF file at path (None if it holds none)."""
+    return read_tokenizer(open_reader(path), path)
+
+
+def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: Any = None,
+          tokenizer: Any = None) -> None:
+    """A GGUF file of a GPT2LMHeadModel's state dict, as llama.cpp's converter writes one; dtype
+    'f32', 'f16' (default), 'bf16' or 'q8_0' for the 2-D weights. Written atomically."""
+    gguf = _gguf()
+    path = Path(path)
+    kind = "f16" if dtype is None else str(dtype).lower().replace("float32", "f32").replace("float16", "f16")
+    if kind not in WRITE_TYPES:
+        raise ValueError(f"{path}: GGUF is written as {', '.join(WRITE_TYPES)}, not {dtype}")
+    qtype, file_type = gguf.GGMLQuantizationType[WRITE_TYPES[kind][0]], WRITE_TYPES[kind][1]
+    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or config.add_cross_attention \
+            or not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx:
+        raise ValueError(f"{path}: llama.cpp's GPT-2 is GELU (tanh), self-attention scaled by 1/sqrt(head size): "
+                         f"this model's config differs (activation_function, cross-attention or attention scaling)")
+    state = normalize_keys(state_dict, prefixed=True)
+    state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    ours_to_gguf = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
+    tensors = []
+    for i in range(config.n_layer):
+        for theirs, ours in BLOCK_NAMES.items():
+            for part in ("weight", "bias"):
+                ours_to_gguf[f"transformer.h.{i}.{ours}.{part}"] = f"blk.{i}.{theirs}.{part}"
+    order = ["token_embd.weight", "position_embd.weight"] + [f"blk.{i}.{n}.{p}" for i in range(config.n_layer)
+             for n in BLOCK_NAMES for p in ("weight", "bias")] + ["output_norm.weight", "output_norm.bias", "output.weight"]
+    by_gguf = {ours_to_gguf[k]: v for k, v in state.items() if k in ours_to_gguf}
+    missing = [name for name in order if name not in by_gguf]
+    if missing:
+        raise ValueError(f"{path}: cannot write GGUF: the state dict lacks {', '.join(missing)}")
+    for name in order:
+        data = by_gguf[name].detach().to("cpu", torch.float32)
+        data = data.t() if name.endswith(LINEARS) else data  # Conv1D (in, out) -> Linear (out, in)
+        array = data.contiguous().numpy()
+        kind_here = qtype
+        if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
+                or name == "position_embd.weight":
+            kind_here = gguf.GGMLQuantizationType.F32  # as the converter keeps them
+        try:
+            stored = gguf.quants.quantize(array, kind_here)
+        except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16
+            kind_here = gguf.GGMLQuantizationType.F16
+            stored = gguf.quants.quantize(array, kind_here)
+        tensors.append((name, stored, kind_here))
+
+    vocabulary = gguf_vocabulary(tokenizer, config) if tokenizer is not None else None
+
+    def write_file(f) -> None:
+        from gguf.gguf_writer import WriterState
+
+        writer = gguf.GGUFWriter(path=None, arch="gpt2")
+        writer.add_type("model")
+        writer.add_name(path.stem)
+        writer.add_block_count(config.n_layer)
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.inner_dim)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        writer.add_file_type(file_type)
+        if vocabulary is not None:
+            tokens, types, merges, eos = vocabulary
+            writer.add_tokenizer_model("gpt2")
+            writer.add_tokenizer_pre("gpt-2")
+            writer.add_token_list(tokens)
+            writer.add_token_types(types)
+            writer.add_token_merges(merges)
+            if eos is not None:  # GPT-2's <|endoftext|> is its bos, eos and unk, as the converter writes
+                writer.add_bos_token_id(eos)
+                writer.add_eos_token_id(eos)
+                writer.add_unk_token_id(eos)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for name, stored, kind_here in tensors:
+            writer.add_tensor(name, stored, raw_dtype=kind_here)
+        writer.fout, writer.state = [f], WriterState.EMPTY  # our file: write_atomic's temporary one
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+
+    write_atomic(path, write_file)
+
+
+def embeds(tokenizer) -> bool:
+    """Whether a GGUF file can carry this tokenizer (GPT-2's byte-level BPE)."""
+    return json.loads(tokenizer.to_str())["model"]["type"] == "BPE"
+
+
+def gguf_vocabulary(tokenizer, config: GPT2Config) -> tuple[list[str], list[int], list[str], int | None]:
+    """GPT-2's byte-level BPE as llama.cpp's converter embeds it: every id's token (unused ids as
+    [PADi]), its type (1 normal, 3 control, 5 unused), the merges, and <|endoftext|>'s id."""
+    spec = json.loads(tokenizer.to_str())
+    if spec["model"]["type"] != "BPE":
+        raise ValueError("GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is "
+                         f"{spec['model']['type']} (write the model without it, or to an HF folder)")
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if max(vocab.values(), default=-1) >= config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(vocab)} tokens, the model's vocabulary {config.vocab_size}")
+    tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
+    types = [5] * config.vocab_size
+    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, 3 if token in special else 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return tokens, types, merges, vocab.get(EOS_TOKEN)
