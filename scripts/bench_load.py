@@ -1,5 +1,7 @@
 """Loading a gpt2-small-sized safetensors checkpoint: gpt2attn vs transformers; and gpt2attn
-loading the same weights from an llm.c model file (gpt2_124M.bin, fp32).
+loading the same weights from an llm.c model file (gpt2_124M.bin, fp32) and from an F16 GGUF with
+GPT-2's tokenizer embedded (as llama.cpp's converter writes it), plus how fast each GGML quantized
+type dequantizes (MB/s of float32 weights out, and of the quantized bytes in).
 
 `python scripts/bench.py load [--repeats N]` writes a random 124M-parameter checkpoint to a
 temporary folder, then times `GPT2LMHeadModel.from_pretrained` in fresh processes (ours and
@@ -67,9 +69,11 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(0)
         GPT2LMHeadModel(GPT2Config()).save_pretrained(folder)  # gpt2-small shapes, random weights
         save(GPT2LMHeadModel.from_pretrained(folder), folder / "gpt2_124M.bin", dtype="fp32")
+        save(GPT2LMHeadModel.from_pretrained(folder), folder / "gpt2-f16.gguf", dtype="f16", tokenizer=gpt2_tokenizer())
         ckpt_mib = (folder / "model.safetensors").stat().st_size / 2**20
         print(f"checkpoint: {folder / 'model.safetensors'}, {ckpt_mib:.0f} MiB (fp32, gpt2-small shapes)")
-        sources = {"gpt2attn": folder, "transformers": folder, "gpt2attn llm.c": folder / "gpt2_124M.bin"}
+        sources = {"gpt2attn": folder, "transformers": folder, "gpt2attn llm.c": folder / "gpt2_124M.bin",
+                   "gpt2attn gguf": folder / "gpt2-f16.gguf"}
         libs = tuple(sources)
         for lib in libs:
             run_child(lib, sources[lib])  # warm-up: page cache, .pyc files
@@ -95,7 +99,55 @@ def main(argv: list[str]) -> int:
     llmc = med["gpt2attn llm.c"]
     print(f"gpt2attn, llm.c .bin / safetensors: load {llmc['load'] / ours['load']:.2f}x, "
           f"load+forward {llmc['load_forward'] / ours['load_forward']:.2f}x")
+    gguf = med["gpt2attn gguf"]
+    print(f"gpt2attn, F16 GGUF (tokenizer embedded) / safetensors: load {gguf['load'] / ours['load']:.2f}x "
+          f"(target <= 2x), load+forward {gguf['load_forward'] / ours['load_forward']:.2f}x")
+    dequantize_speeds()
     return 0
+
+
+def gpt2_tokenizer():
+    """GPT-2's BPE, from the GGUF fixture that llama.cpp's converter wrote (tests/data/gguf)."""
+    from gpt2attn.formats.gguf import tokenizer_of
+
+    return tokenizer_of(Path(__file__).resolve().parent.parent / "tests" / "data" / "gguf" / "tiny-f16.gguf")
+
+
+def dequantize_speeds(rows: int = 3072, cols: int = 768, repeats: int = 5) -> None:
+    """Each GGML type we read: one gpt2-small MLP weight (3072 x 768) in a GGUF file, read back by
+    GGUFFile.tensor (the path from_pretrained takes); median of `repeats`."""
+    import time
+
+    import gguf
+    import numpy as np
+
+    from gpt2attn.formats.gguf import GGUFFile, READ_TYPES
+
+    weights = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    print(f"\ndequantizing a {rows} x {cols} weight (read from a GGUF file, to float32), median of {repeats}:")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in READ_TYPES:
+            kind = gguf.GGMLQuantizationType[name]
+            try:
+                data = gguf.quants.quantize(weights, kind)
+            except NotImplementedError:  # the K-quants: gguf-py dequantizes them only; random blocks, sane scales
+                block, size = gguf.GGML_QUANT_SIZES[kind]
+                data = np.random.default_rng(1).integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+                for offset in {"Q6_K": (208,)}.get(name, (0, 2)):  # each block's f16 scales (d, dmin)
+                    data.reshape(rows, -1, size)[:, :, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+            path = Path(tmp) / f"{name}.gguf"
+            writer = gguf.GGUFWriter(path, "gpt2")
+            writer.add_tensor("w", data, raw_dtype=kind)
+            writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+            file = GGUFFile(path)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                file.tensor("w")
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            print(f"  {name:>5}: {weights.nbytes / seconds / 1e6:8.0f} MB/s out, {data.nbytes / seconds / 1e6:7.0f} MB/s in"
+                  f"  (target >= 200 MB/s)")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ A GGUF file holds key-value metadata (the config under `gpt2.*`, the BPE tokeniz
 `tokenizer.ggml.*`) and named tensors, each of a GGML type: F32, F16, BF16 or a block-quantized
 one (Q8_0, Q4_0, ..., Q6_K). Names and layouts are llama.cpp's (`blk.{i}.attn_qkv.weight`, ...):
 its four linear weights are stored as Linear's (out, in) and come back here as Conv1D's (in, out).
-The `gguf` package (the extra `gpt2attn[gguf]`) parses the file (memory-mapped) and holds the
-reference dequantizers. Every tensor is read as float32 (llama.cpp computes in F32 too): F32
-ones stay views of the mapped file, the others are widened or dequantized.
+The file is parsed here (GGUFFile) and memory-mapped; every tensor is read as float32 (llama.cpp
+computes in F32 too): F32 ones stay views of the file, F16/BF16 are widened, and the quantized
+types are dequantized by the reference code of the `gguf` package (the extra `gpt2attn[gguf]`),
+which also writes.
 
 Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
 1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
@@ -16,7 +17,10 @@ tokenizer embedded when it is GPT-2's byte-level BPE.
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,12 @@ BLOCK_NAMES = {
 }
 LINEARS = ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")  # (out, in) in GGUF
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# ggml's type ids and (values per block, bytes per block), for the table of tensors (ggml.h)
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+GGML_BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+               "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 36), "Q2_K": (256, 84), "Q3_K": (256, 110),
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292)}
 WRITE_TYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}  # (type, file_type)
 
 
@@ -65,50 +75,138 @@ def detect(path: Path) -> bool:
         return f.read(4) == MAGIC
 
 
-def open_reader(path: Path):
-    """gguf's GGUFReader over the file; every parse failure as one ValueError naming the file."""
-    gguf = _gguf()
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head[:4] != MAGIC:
-        raise ValueError(f"{path}: not a GGUF file: magic is {head[:4]!r}, expected {MAGIC!r}")
-    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
-    if version not in (2, 3):
-        raise ValueError(f"{path}: unsupported GGUF version {version}: gpt2attn reads versions 2 and 3")
-    try:
-        return gguf.GGUFReader(path, "c")  # copy-on-write: writable views, the file untouched
-    except Exception as e:  # struct, numpy and ValueError from deep inside the parser
-        raise ValueError(f"{path}: not a readable GGUF file (truncated or damaged: {type(e).__name__}: {e})") from None
+class GGUFFile:
+    """A GGUF file's metadata (`fields`, key -> value) and tensor table (`tensors`, name ->
+    (GGML type name, shape ne innermost first, byte offset, byte length)), parsed here: the `gguf`
+    package's reader builds a numpy view per string, seconds for GPT-2's 100k tokenizer strings.
+    The tensor data stays on disk, memory-mapped (copy-on-write) when a tensor is asked for."""
+
+    VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    STRING, ARRAY = 8, 9
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self.buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else b""
+        head = bytes(self.buffer[:8])
+        if head[:4] != MAGIC:
+            raise ValueError(f"{path}: not a GGUF file: magic is {head[:4]!r}, expected {MAGIC!r}")
+        version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version}: gpt2attn reads versions 2 and 3")
+        self.pos, self.where = 8, "the header"
+        try:
+            n_tensors, n_fields = self.take("Q"), self.take("Q")
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_fields):
+                self.where = "a metadata key"
+                key = self.string()
+                self.where = f"metadata {key}"
+                self.fields[key] = self.value(self.take("I"))
+            infos = []
+            for _ in range(n_tensors):
+                self.where = "a tensor name"
+                name = self.string()
+                self.where = f"tensor {name}'s header"
+                ne = tuple(self.take("Q") for _ in range(self.take("I")))
+                infos.append((name, self.take("I"), ne, self.take("Q")))
+        except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+            raise ValueError(f"{path}: truncated or damaged GGUF file: cannot read {self.where} at byte "
+                             f"{self.pos} ({e})") from None
+        alignment = int(self.fields.get("general.alignment", 32))
+        data_start = -(-self.pos // alignment) * alignment
+        self.tensors = {}
+        for name, type_id, ne, offset in infos:
+            kind = GGML_TYPES.get(type_id, f"type {type_id}")
+            block, size = GGML_BLOCKS.get(kind, (1, 0))
+            count = math.prod(ne)
+            start, length = data_start + offset, count // block * size
+            if kind in GGML_BLOCKS and (start + length > len(self.buffer) or ne[0] % block):
+                raise ValueError(f"{path}: truncated or damaged GGUF file: tensor {name} ({kind}, {list(ne)}) "
+                                 f"needs bytes {start}..{start + length}, the file has {len(self.buffer)}")
+            self.tensors[name] = (kind, ne, start, length)
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buffer):
+            raise struct.error(f"a string of {n} bytes runs past the end")
+        text = bytes(self.buffer[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return text
+
+    def value(self, kind: int) -> Any:
+        if kind == self.STRING:
+            return self.string()
+        if kind == self.ARRAY:
+            item, n = self.take("I"), self.take("Q")
+            if item in self.VALUE_FORMATS and item != 7:  # numbers: one numpy read
+                dtype = np.dtype("<" + self.VALUE_FORMATS[item])
+                if self.pos + n * dtype.itemsize > len(self.buffer):
+                    raise struct.error(f"an array of {n} values runs past the end")
+                values = np.frombuffer(self.buffer, dtype=dtype, count=n, offset=self.pos).tolist()
+                self.pos += n * dtype.itemsize
+                return values
+            return [self.value(item) for _ in range(n)]
+        if kind not in self.VALUE_FORMATS:
+            raise struct.error(f"unknown value type {kind}")
+        return self.take(self.VALUE_FORMATS[kind])
+
+    def field(self, key: str, default: Any = ...) -> Any:
+        if key not in self.fields:
+            if default is ...:
+                raise ValueError(f"{self.path}: GGUF metadata has no {key}")
+            return default
+        return self.fields[key]
+
+    def same(self, a: str, b: str) -> bool:
+        """Whether two tensors are stored alike: type, shape and bytes."""
+        (kind_a, ne_a, start_a, length_a), (kind_b, ne_b, start_b, length_b) = self.tensors[a], self.tensors[b]
+        return (kind_a, ne_a, length_a) == (kind_b, ne_b, length_b) and \
+            self.buffer[start_a : start_a + length_a] == self.buffer[start_b : start_b + length_b]
+
+    def tensor(self, name: str) -> Tensor:
+        """A tensor as float32 in its numpy shape (rows = ne[1]): F32 a view of the mapped file, F16
+        and BF16 widened, quantized types dequantized by the gguf package's reference code."""
+        kind, ne, start, length = self.tensors[name]
+        if kind not in READ_TYPES:
+            raise ValueError(f"{self.path}: tensor {name} has GGML type {kind}, which gpt2attn does not read "
+                             f"(it reads {', '.join(READ_TYPES)})")
+        shape = tuple(reversed(ne))
+        raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=length, offset=start)
+        if kind == "F32":
+            return raw.view(torch.float32).view(shape)
+        if kind == "F16":
+            return raw.view(torch.float16).view(shape).float()
+        if kind == "BF16":
+            return raw.view(torch.bfloat16).view(shape).float()
+        gguf = _gguf()
+        blocks = raw.numpy().reshape(*shape[:-1], -1)  # each row's blocks, as gguf's dequantize takes them
+        return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])).view(shape)
 
 
-def _field(reader, path: Path, key: str, default: Any = ...) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is ...:
-            raise ValueError(f"{path}: GGUF metadata has no {key}")
-        return default
-    return field.contents()
-
-
-def read_config(reader, path: Path) -> GPT2Config:
-    arch = _field(reader, path, "general.architecture")
+def read_config(file: GGUFFile) -> GPT2Config:
+    arch = file.field("general.architecture")
     if arch != "gpt2":
-        raise ValueError(f"{path}: general.architecture is {arch!r}; gpt2attn reads GPT-2 ('gpt2') GGUF files")
-    embd = {t.name: t for t in reader.tensors}.get("token_embd.weight")
-    if embd is None:
-        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
-    n_embd = int(_field(reader, path, "gpt2.embedding_length"))
-    ff = int(_field(reader, path, "gpt2.feed_forward_length", 4 * n_embd))
+        raise ValueError(f"{file.path}: general.architecture is {arch!r}; gpt2attn reads GPT-2 ('gpt2') GGUF files")
+    if "token_embd.weight" not in file.tensors:
+        raise ValueError(f"{file.path}: GGUF has no token_embd.weight tensor")
+    n_embd = int(file.field("gpt2.embedding_length"))
+    ff = int(file.field("gpt2.feed_forward_length", 4 * n_embd))
     return GPT2Config(
-        vocab_size=int(embd.shape[1]),  # ne = (n_embd, vocab)
-        n_positions=int(_field(reader, path, "gpt2.context_length")),
+        vocab_size=int(file.tensors["token_embd.weight"][1][1]),  # ne = (n_embd, vocab)
+        n_positions=int(file.field("gpt2.context_length")),
         n_embd=n_embd,
-        n_layer=int(_field(reader, path, "gpt2.block_count")),
-        n_head=int(_field(reader, path, "gpt2.attention.head_count")),
+        n_layer=int(file.field("gpt2.block_count")),
+        n_head=int(file.field("gpt2.attention.head_count")),
         n_inner=None if ff == 4 * n_embd else ff,
-        layer_norm_epsilon=float(_field(reader, path, "gpt2.attention.layer_norm_epsilon", 1e-5)),
-        bos_token_id=int(_field(reader, path, "tokenizer.ggml.bos_token_id", 50256)),
-        eos_token_id=int(_field(reader, path, "tokenizer.ggml.eos_token_id", 50256)),
+        layer_norm_epsilon=float(file.field("gpt2.attention.layer_norm_epsilon", 1e-5)),
+        bos_token_id=int(file.field("tokenizer.ggml.bos_token_id", 50256)),
+        eos_token_id=int(file.field("tokenizer.ggml.eos_token_id", 50256)),
         activation_function="gelu_new",
     )
 
@@ -122,62 +220,42 @@ def our_name(name: str) -> str | None:
     return None
 
 
-def tensor_of(tensor, path: Path) -> Tensor:
-    """One GGUF tensor as a float32 torch tensor in its numpy shape (rows = ne[1]): F32 a view of the
-    mapped file (copy-on-write), F16 and BF16 widened, quantized types dequantized."""
-    gguf = _gguf()
-    kind = tensor.tensor_type.name
-    if kind not in READ_TYPES:
-        raise ValueError(f"{path}: tensor {tensor.name} has GGML type {kind}, which gpt2attn does not read "
-                         f"(it reads {', '.join(READ_TYPES)})")
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # ne is innermost first
-    if kind in ("F32", "F16"):
-        data = torch.from_numpy(tensor.data).float()
-    elif kind == "BF16":
-        data = torch.from_numpy(tensor.data).view(torch.int16).view(torch.bfloat16).float()
-    else:
-        data = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
-    if data.numel() != int(np.prod(shape)):
-        raise ValueError(f"{path}: tensor {tensor.name} holds {data.numel()} values, its header says {shape}")
-    return data.reshape(shape)
-
-
 def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
-    """The config from the gpt2.* metadata, the HF-keyed state dict (linear weights back to Conv1D's
-    (in, out); lm_head only when it differs from wte, else tied) and the embedded tokenizer."""
-    reader = open_reader(path)
-    config = read_config(reader, path)
+    """The config from the gpt2.* metadata, the HF-keyed state dict in float32 (linear weights back to
+    Conv1D's (in, out); lm_head only when it differs from wte, else tied) and the embedded tokenizer."""
+    file = GGUFFile(path)
+    config = read_config(file)
+    tied = "output.weight" not in file.tensors or file.same("output.weight", "token_embd.weight")
     state = {}
-    for tensor in reader.tensors:
-        name = our_name(tensor.name)
-        if name is None:
-            raise ValueError(f"{path}: tensor {tensor.name} is not one of GPT-2's")
-        data = tensor_of(tensor, path)
-        state[name] = data.t() if tensor.name.endswith(LINEARS) else data
-    head = state.get("lm_head.weight")
-    if head is not None and torch.equal(head, state["transformer.wte.weight"]):
-        del state["lm_head.weight"]  # llama.cpp's converter writes the tied head twice
-    config.tie_word_embeddings = "lm_head.weight" not in state
-    return config, state, read_tokenizer(reader, path)
+    for name in file.tensors:
+        ours = our_name(name)
+        if ours is None:
+            raise ValueError(f"{path}: tensor {name} is not one of GPT-2's")
+        if name == "output.weight" and tied:
+            continue  # llama.cpp's converter writes the tied head twice
+        data = file.tensor(name)
+        state[ours] = data.t() if name.endswith(LINEARS) else data
+    config.tie_word_embeddings = tied
+    return config, state, read_tokenizer(file)
 
 
-def read_tokenizer(reader, path: Path):
+def read_tokenizer(file: GGUFFile):
     """The embedded GPT-2 BPE (tokenizer.ggml.tokens / merges) as a tokenizers.Tokenizer, or None."""
-    if "tokenizer.ggml.tokens" not in reader.fields:
+    if "tokenizer.ggml.tokens" not in file.fields:
         return None
-    model = _field(reader, path, "tokenizer.ggml.model", "gpt2")
+    model = file.field("tokenizer.ggml.model", "gpt2")
     if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model is {model!r}; gpt2attn reads GPT-2's BPE ('gpt2')")
-    tokens = _field(reader, path, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, path, "tokenizer.ggml.merges", [])]
-    types = _field(reader, path, "tokenizer.ggml.token_type", [1] * len(tokens))
+        raise ValueError(f"{file.path}: tokenizer.ggml.model is {model!r}; gpt2attn reads GPT-2's BPE ('gpt2')")
+    tokens = file.field("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in file.field("tokenizer.ggml.merges", [])]
+    types = file.field("tokenizer.ggml.token_type", [1] * len(tokens))
     special = [t for t, kind in zip(tokens, types) if kind == 3]  # CONTROL
     return byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, special)
 
 
 def tokenizer_of(path: Path):
     """The tokenizer embedded in the GGUF file at path (None if it holds none)."""
-    return read_tokenizer(open_reader(path), path)
+    return read_tokenizer(GGUFFile(Path(path)))
 
 
 def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: Any = None,
