@@ -10,7 +10,8 @@ from .heads import (
     GPT2ForSequenceClassification,
     GPT2ForTokenClassification,
 )
-from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
+from .model import BaseModelOutput, CausalLMOutput, GPT2LMHeadModel, GPT2Model
+from .pretrained import GPT2PreTrainedModel
 from .interop import hooks
 
 hooks.install()  # PEFT, transformers' Trainer and pipelines learn our models when (if ever) they are imported

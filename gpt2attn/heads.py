@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from .cache import KVCache, takes_past_key_values
 from .config import PROBLEM_TYPES, GPT2Config
 from .layers import get_activation, init_weights
-from .model import GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel, lm_loss
+from .model import GPT2LMHeadModel, GPT2Model, lm_loss
+from .pretrained import GPT2PreTrainedModel
 from .outputs import DoubleHeadsOutput, QuestionAnsweringOutput, SequenceClassifierOutput, TokenClassifierOutput
 
 SUMMARIES = ("last", "first", "mean", "cls_index")  # summary_type "attn" is unimplemented, as in transformers

@@ -24,7 +24,7 @@ from ..config import CONFIG_NAME, GPT2Config, is_int
 from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
-from .state_dict import infer_config, read_bin, torch_load
+from .state_dict import infer_config, read_bin
 
 NAME = "hf"
 SUFFIXES = ("",)  # a folder: convert writes one for any destination without another format's suffix

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers.pipelines.base import Pipeline
 
-from ..model import GPT2PreTrainedModel
+from ..pretrained import GPT2PreTrainedModel
 
 
 def _on_the_bridge(default):

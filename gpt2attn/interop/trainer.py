@@ -19,7 +19,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from ..model import GPT2PreTrainedModel
+from ..pretrained import GPT2PreTrainedModel
 
 
 def _save_ours_whole(default):

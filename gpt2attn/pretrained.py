@@ -1,0 +1,234 @@
+"""GPT2PreTrainedModel: what every gpt2attn model class shares, the surface transformers' models
+have around their forward pass. Loading and saving (gpt2attn/loader.py, formats/hf.py), int8 and
+bf16 (quantize.py), the zero-copy bridge to transformers (interop/transformers.py), embeddings and
+their resizing, activation checkpointing switches, parameter counts. model.py builds on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import GPT2Config, is_int
+from .formats.hf import save_pretrained
+from .interop.transformers import from_transformers, to_transformers
+from .layers import init_weights
+from .loader import from_pretrained
+from .quantize import quantize
+
+
+class GPT2PreTrainedModel(nn.Module):
+    """What every GPT-2 model shares: the config, checkpoint files, embeddings access and resizing,
+    gradient checkpointing; the class attributes transformers' GPT2PreTrainedModel has."""
+
+    config_class = GPT2Config
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _keys_to_ignore_on_save = None  # read by transformers.Trainer when it resumes from a checkpoint
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a gpt2attn GPT2Config, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+
+    @classmethod
+    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, quantize: str | None = None,
+                        **kwargs: Any):
+        """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
+        quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
+        model = from_pretrained(cls, src, dtype=dtype, device=device, **kwargs)
+        return model.quantize(quantize) if quantize is not None else model
+
+    def quantize(self, mode: str = "int8"):
+        """Quantize in place for CPU inference ('int8' or 'bf16'); see gpt2attn.quantize."""
+        return quantize(self, mode)
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
+        """Write an HF model folder (config.json + safetensors) that `transformers` opens."""
+        save_pretrained(self, save_directory, **kwargs)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return False
+
+    def to_transformers(self, attn_implementation: str | None = None) -> Any:
+        """transformers' model of the same class sharing these very parameters (no copy)."""
+        return to_transformers(self, attn_implementation)
+
+    @classmethod
+    def from_transformers(cls, hf_model: Any):
+        """This class built around a transformers model's own parameters (no copy)."""
+        return from_transformers(cls, hf_model)
+
+    # --- embeddings -----------------------------------------------------------------------
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.base_model.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.base_model.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The vocabulary projection; None for a model without one."""
+        return None
+
+    def tie_weights(self) -> None:
+        """Make the output embeddings use the input embeddings' weight, when the config ties them."""
+        head = self.get_output_embeddings()
+        if head is not None and self.config.tie_word_embeddings:
+            head.weight = self.get_input_embeddings().weight
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
+        """Give wte (and an untied head) new_num_tokens rows, rounded up to a multiple of
+        pad_to_multiple_of; config.vocab_size follows. Rows past the old vocabulary are
+        initialised as transformers 5 does: with mean_resizing, drawn near the old rows' mean
+        (a normal with their covariance scaled by 1e-9), else N(0, initializer_range)."""
+        wte = self.get_input_embeddings()
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return wte
+        n = wte.num_embeddings if new_num_tokens is None else new_num_tokens
+        if not is_int(n) or n < 1:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        if pad_to_multiple_of is not None:
+            if not is_int(pad_to_multiple_of) or pad_to_multiple_of < 1:
+                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        head = self.get_output_embeddings()
+        w = wte.weight
+        if n != w.size(0):
+            resize_rows(wte, nn.Embedding(n, w.size(1), device=w.device, dtype=w.dtype), mean_resizing, self.config)
+            if head is not None and head.weight is not wte.weight:
+                h = head.weight
+                new_head = nn.Linear(h.size(1), n, bias=False, device=h.device, dtype=h.dtype)
+                resize_rows(head, new_head, mean_resizing, self.config)
+        wte.num_embeddings = n
+        if head is not None:
+            head.out_features = n
+        self.config.vocab_size = n
+        self.tie_weights()
+        return wte
+
+    # --- training -------------------------------------------------------------------------
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute blocks' activations in the backward pass instead of keeping them, as
+        transformers 5 does: every block, or every every_n_layers-th one (blocks 0, n, 2n, ...).
+        activation_checkpointing_kwargs go to torch.utils.checkpoint.checkpoint (default
+        {"use_reentrant": False}); offload keeps what the checkpointed blocks save in host memory."""
+        if not is_int(every_n_layers) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+        body = self.base_model
+        body.gradient_checkpointing = True
+        body.gradient_checkpointing_kwargs = dict(activation_checkpointing_kwargs or {"use_reentrant": False})
+        body.checkpoint_every = every_n_layers
+        body.checkpoint_offload = offload
+
+    def activation_checkpointing_disable(self) -> None:
+        self.base_model.gradient_checkpointing = False
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.base_model.gradient_checkpointing
+
+    def enable_input_require_grads(self) -> None:
+        """Make the input embeddings' output require grad, as transformers does for adapters over
+        frozen embeddings (reentrant checkpointing needs a block input that requires grad)."""
+        def require_grad(module: nn.Module, inputs: Any, output: Tensor) -> None:
+            output.requires_grad_(True)
+
+        self.disable_input_require_grads()
+        self._input_require_grads = self.get_input_embeddings().register_forward_hook(require_grad)
+
+    def disable_input_require_grads(self) -> None:
+        hook = self.__dict__.pop("_input_require_grads", None)
+        if hook is not None:
+            hook.remove()
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes held by the parameters (and buffers), each tensor counted once."""
+        tensors = {id(t): t for t in (*self.parameters(), *(self.buffers() if return_buffers else ()))}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # transformers 4's names, which transformers 5 keeps as aliases and most training scripts call
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+                                      **kwargs: Any) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str | None = None) -> torch.optim.AdamW:
+        """AdamW that decays only matrices and embeddings (>= 2-D), not biases or LayerNorm
+        gains; fused on CUDA and CPU, where torch has a fused kernel."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        device_type = device_type or self.device.type
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The GPT2Model at the core (the model itself for a GPT2Model)."""
+        return getattr(self, self.base_model_prefix, self)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied head counts once), as transformers counts them:
+        only_trainable skips frozen ones, exclude_embeddings skips wte and wpe."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        return sum(
+            p.numel()
+            for p in self.parameters()
+            if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings)
+        )
+
+
+def resize_rows(old: nn.Module, new: nn.Module, mean_resizing: bool, config: GPT2Config) -> None:
+    """Give `old` (an embedding or a head, rows = tokens) the weight of `new`, a freshly built
+    module of the new size: the old rows copied, the added ones initialised."""
+    n_old, n_new = old.weight.size(0), new.weight.size(0)
+    with torch.no_grad():
+        if n_new > n_old and mean_resizing:
+            new.weight[n_old:] = rows_near_mean(old.weight, n_new - n_old)
+        elif n_new > n_old:
+            init_weights(new, config)
+        n = min(n_old, n_new)
+        new.weight[:n] = old.weight[:n]
+    old.weight.data = new.weight.data
+
+
+def rows_near_mean(weight: Tensor, count: int) -> Tensor:
+    """count rows drawn from a normal with the rows' mean and 1e-9 times their covariance (the
+    mean alone when that covariance is not positive definite), as transformers 5 draws them."""
+    w = weight.detach().float()  # (V, C)
+    mean = w.mean(dim=0)
+    centered = w - mean
+    covariance = 1e-9 * (centered.T @ centered / w.size(0))  # (C, C)
+    if torch.linalg.cholesky_ex(covariance).info == 0:
+        normal = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance)
+        rows = normal.sample((count,))
+    else:
+        rows = mean.expand(count, -1)
+    return rows.to(weight.dtype)
