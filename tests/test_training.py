@@ -267,3 +267,21 @@ def test_math_of_cross_entropy_at_init_is_log_vocab():
     model = GPT2LMHeadModel(tiny_config())
     ids = _batch(5)
     assert model(ids, labels=ids).loss.item() == pytest.approx(math.log(97), rel=0.05)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native, capsys):
+    """The CPU's answer is patched, so the test holds on any CPU: auto is bfloat16 with native bf16
+    and float32 without; bfloat16 asked for without it still runs, with a warning naming auto."""
+    from gpt2attn.training import loop
+
+    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (native, "this CPU (patched)"))
+    cpu = torch.device("cpu")
+    assert loop.autocast_dtype("auto", cpu, say=True) == ("bfloat16" if native else "float32")
+    assert "dtype auto" in capsys.readouterr().out
+    assert loop.autocast_dtype("float32", cpu, say=True) == "float32"
+    if native:
+        assert loop.autocast_dtype("bfloat16", cpu, say=True) == "bfloat16"
+    else:
+        with pytest.warns(UserWarning, match='dtype = "auto" picks float32'):
+            assert loop.autocast_dtype("bfloat16", cpu, say=True) == "bfloat16"

@@ -41,7 +41,7 @@ class TrainConfig:
     log_interval: int = 10
     # system
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
-    dtype: str = "float32"  # float32, bfloat16 or float16 (autocast)
+    dtype: str = "float32"  # float32, bfloat16, float16 (autocast), or auto: bfloat16 where the device has it
     compile: bool = False
     gradient_checkpointing: bool = False
     fsdp: bool = False  # under torchrun: shard with FSDP instead of DDP
@@ -58,8 +58,8 @@ class TrainConfig:
             raise ValueError(f"max_iters must be positive and warmup_iters >= 0, got {self.max_iters}, {self.warmup_iters}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.min_lr > self.learning_rate:

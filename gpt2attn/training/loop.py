@@ -25,6 +25,7 @@ from ..files import link_or_copy, remove_tree, replace_folder, write_atomic, wri
 from ..formats.hf import write_model
 from ..formats.state_dict import torch_load
 from ..model import GPT2LMHeadModel
+from ..quantize import cpu_bf16_report
 from . import distributed
 from .config import TrainConfig
 from .data import TokenData, prepare_data
@@ -116,8 +117,9 @@ def _train(cfg: TrainConfig, info: distributed.Dist, device: torch.device) -> di
     if cfg.compile:
         model = torch.compile(model)
 
-    autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "float32")
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "float16" and device.type == "cuda")
+    dtype = autocast_dtype(cfg.dtype, device, info.is_main)
+    autocast = torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16" and device.type == "cuda")
     eval_rng = torch.Generator().manual_seed(cfg.seed + 1)
     eval_offsets = {split: data.offsets(split, cfg.eval_iters * cfg.batch_size, eval_rng) for split in ("train", "val")}
 
@@ -211,6 +213,21 @@ def _can_plot() -> bool:
                       "(pip install 'gpt2attn[plot]', or --plot=false to silence this)")
         return False
     return True
+
+
+def autocast_dtype(dtype: str, device: torch.device, say: bool) -> str:
+    """The autocast dtype to train in. "auto" is bfloat16 where the device multiplies it natively
+    (a CPU with AMX or AVX512-BF16, a CUDA GPU that supports it) and float32 elsewhere; bfloat16
+    asked for on a CPU without it runs (emulated, many times slower), with a warning that says so."""
+    native, sentence = cpu_bf16_report() if device.type == "cpu" else (
+        device.type == "cuda" and torch.cuda.is_bf16_supported(), f"{device.type} device")
+    if dtype == "auto":
+        dtype = "bfloat16" if native else "float32"
+        if say:
+            print(f"dtype auto: {dtype} ({sentence})")
+    elif dtype == "bfloat16" and device.type == "cpu" and not native:
+        warnings.warn(f"dtype bfloat16: {sentence}; dtype = \"auto\" picks float32 here", stacklevel=2)
+    return dtype
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: Path | None) -> GPT2LMHeadModel:
