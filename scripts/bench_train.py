@@ -1,17 +1,21 @@
 """Training-step time, ours vs transformers.GPT2LMHeadModel, in one process.
 
     python scripts/bench.py train                       # shakespeare_char_cpu shapes, fp32, CPU
+    python scripts/bench.py train --compile             # and torch.compile(ours), with its compile time
     python scripts/bench.py train --preset gpt2 --batch-size 8 --block-size 1024 --device cuda --dtype bfloat16
 
 A step is what `gpt2attn train` does: forward, fp32 cross-entropy, backward, clip at 1.0, fused
 AdamW, zero_grad(set_to_none). Both models get the same weights, batch and optimizer settings.
 The models take turns, each turn one untimed step and then STEPS_PER_TURN (5) timed ones in a
 row, as a training loop runs them. On CUDA the model FLOP utilisation (MFU) is printed too.
+Two floors are timed in the same turns: the step's matmuls alone, and every kernel a step needs
+alone (make_kernels); transformers' time over the second is the most any eager step could gain.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +82,54 @@ def make_matmuls(config: GPT2Config, n_tokens: int, dtype, device):
     return matmuls
 
 
+def make_kernels(config: GPT2Config, batch_size: int, block_size: int, dtype, device):
+    """Every kernel a GPT-2 step cannot do without, each forward and backward through autograd
+    on random leaves, with nothing between them: the matmuls above, PyTorch's fused attention
+    (is_causal), the tanh GELU, the LayerNorms, embedding lookups, the loss, and the shared
+    clip + fused AdamW over as many values as the model has. No eager step can be faster: its
+    time over a transformers step is the most speed-up any eager rewrite could show."""
+    B, T, C, nh, V = batch_size, block_size, config.n_embd, config.n_head, config.vocab_size
+    L, inner = config.n_layer, config.inner_dim
+    matmuls = make_matmuls(config, B * T, dtype, device)
+
+    def leaf(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v = (leaf(B, nh, T, C // nh) for _ in range(3))  # (B, nh, T, hs)
+    hidden, x = leaf(B * T, inner), leaf(B * T, C)
+    ln = torch.nn.LayerNorm(C).to(device, dtype)
+    wte, wpe = torch.nn.Embedding(V, C).to(device, dtype), torch.nn.Embedding(T, C).to(device, dtype)
+    ids, targets = (torch.randint(0, V, (B, T), device=device) for _ in range(2))
+    logits = leaf(B * T, V)
+    n_params = 12 * L * C * C + 13 * L * C + V * C + T * C + 2 * C
+    params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in (n_params - 2 * C, 2 * C)]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
+
+    def kernels():
+        matmuls()
+        for _ in range(L):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y.backward(y)
+            y = F.gelu(hidden, approximate="tanh")
+            y.backward(y)
+        for _ in range(2 * L + 1):
+            y = ln(x)
+            y.backward(y)
+        (wte(ids) + wpe(torch.arange(T, device=device))).sum().backward()
+        F.cross_entropy(logits.float(), targets.view(-1)).backward()
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for t in (q, k, v, hidden, x, logits):
+            t.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return kernels
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.py train", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", help="gpt2, gpt2-medium, ... (default: the 4x128 char model, vocab 65)")
@@ -87,6 +139,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--repeats", type=int, default=12, help=f"turns per model, each 1 untimed + {STEPS_PER_TURN} timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100 bf16 dense: 989)")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours), and its compile seconds")
     args = parser.parse_args(argv)
 
     import transformers
@@ -113,10 +166,19 @@ def main(argv: list[str]) -> int:
           f"batch {args.batch_size} x {args.block_size} tokens, {args.dtype}, transformers "
           f"{transformers.__version__} ({theirs.config._attn_implementation} attention)")
     steps = {"gpt2attn": make_step(ours, batch, dtype, device), "transformers": make_step(theirs, batch, dtype, device)}
+    if args.compile:
+        compiled = GPT2LMHeadModel(config).to(device).train()
+        compiled.load_state_dict(ours.state_dict())
+        steps["compiled"] = make_step(torch.compile(compiled), batch, dtype, device)
+        started = time.perf_counter()
+        steps["compiled"]()
+        print(f"torch.compile: first step (compiling forward and backward) {time.perf_counter() - started:.1f} s")
     tokens = args.batch_size * args.block_size
     steps["matmuls alone"] = make_matmuls(config, tokens, dtype, device)
+    steps["kernels alone"] = make_kernels(config, args.batch_size, args.block_size, dtype, device)
     times = interleaved_medians(steps, repeats=args.repeats, warmup=3, per_turn=STEPS_PER_TURN)
     floor = times.pop("matmuls alone")
+    kernels = times.pop("kernels alone")
     flops = train_flops_per_token(config, args.block_size) * tokens
     for name, seconds in times.items():
         line = f"{name:>12}: {seconds * 1e3:8.2f} ms/step  {tokens / seconds:10.0f} tokens/s  {flops / seconds / 1e9:7.1f} GFLOP/s"
@@ -125,5 +187,8 @@ def main(argv: list[str]) -> int:
         print(line)
     print(f"the step's matmuls alone: {floor * 1e3:.2f} ms; the rest takes gpt2attn "
           f"{(times['gpt2attn'] - floor) * 1e3:.2f} ms, transformers {(times['transformers'] - floor) * 1e3:.2f} ms")
+    print(f"every kernel a step needs (matmuls, fused attention, GELU, LayerNorm, embeddings, loss, clip + "
+          f"AdamW), alone: {kernels * 1e3:.2f} ms; gpt2attn spends {(times['gpt2attn'] - kernels) * 1e3:.2f} ms "
+          f"beyond them; no eager step can beat transformers by more than {times['transformers'] / kernels:.2f}x")
     print(f"speed-up (transformers time / ours): {times['transformers'] / times['gpt2attn']:.2f}x")
     return 0

@@ -77,6 +77,28 @@ def test_encode_gives_the_ids_when_every_character_is_known():
     assert encode(tok, "cab a") == tok.encode("cab a").ids == [3, 1, 2, 0, 1]
 
 
+def test_a_char_vocabulary_is_encoded_by_lookup_with_tokenizers_ids(monkeypatch, tmp_path):
+    text = "".join(TEXTS) + "\r\n\x00\U0010ffff"  # every kind of character, one past the BMP
+    tok = char_tokenizer(text[::-1])  # ids in sorted order, whatever order the text has
+    expected = tok.tokenizer.encode(text).ids  # tokenizers' own char-by-char WordLevel
+    spec = json.loads(tok.to_str())  # the same characters, ids in reverse order, from a file
+    vocab = spec["model"]["vocab"]
+    spec["model"]["vocab"] = {ch: len(vocab) - 1 - i for ch, i in vocab.items()}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    reversed_ids = load_tokenizer(tmp_path)
+    assert encode(reversed_ids, text) == reversed_ids.tokenizer.encode(text).ids == [len(vocab) - 1 - i for i in expected]
+    special = char_tokenizer(text)
+    special.add_special_tokens(["<|endoftext|>"])  # added tokens match whole strings: not a lookup
+    with_special = special.tokenizer.encode(text).ids
+    monkeypatch.setattr(type(tok), "encode", lambda *a, **k: pytest.fail("tokenizers was asked"))
+    assert encode(tok, text) == expected
+    assert len(expected) == len(text)
+    monkeypatch.undo()
+    assert encode(special, text) == with_special != expected
+    with pytest.raises(ValueError, match=r"does not hold: 'z' \(U\+007A\)"):
+        encode(char_tokenizer("abc"), "abz")
+
+
 def test_a_char_vocabulary_s_own_encode_names_the_missing_character(tmp_path):
     from gpt2attn.generation import DEFAULT_MODEL_DIR
 
