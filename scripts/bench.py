@@ -1,6 +1,6 @@
 """Benchmarks against transformers, run in one process: `python scripts/bench.py NAME [options]`.
 
-NAME is one of forward, load, generate, train, explore; each lives in scripts/bench_NAME.py and
+NAME is one of forward, load, generate, train, recipe, explore; each lives in scripts/bench_NAME.py and
 prints its figures and the ratios. Benchmarks are never part of the test suite.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("forward", "load", "generate", "train", "explore")
+BENCHES = ("forward", "load", "generate", "train", "recipe", "explore")
 
 
 def main(argv: list[str]) -> int:
