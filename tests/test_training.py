@@ -11,7 +11,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.tokenizer import char_tokenizer
-from gpt2attn.training import TokenData, load_config, lr_at, prepare_data
+from gpt2attn.training import TokenData, load_config, lr_at, prepare_data, train
 from helpers import hf_twin, max_diff, randomize, tiny_config
 
 
@@ -270,7 +270,7 @@ def test_math_of_cross_entropy_at_init_is_log_vocab():
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native, capsys):
+def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native, capsys, tmp_path):
     """The CPU's answer is patched, so the test holds on any CPU: auto is bfloat16 with native bf16
     and float32 without; bfloat16 asked for without it still runs, with a warning naming auto."""
     from gpt2attn.training import loop
@@ -285,3 +285,22 @@ def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native
     else:
         with pytest.warns(UserWarning, match='dtype = "auto" picks float32'):
             assert loop.autocast_dtype("bfloat16", cpu, say=True) == "bfloat16"
+
+    # A run with dtype auto trains under the autocast that was picked (a spy on torch.autocast).
+    entered = []
+    real_autocast = torch.autocast
+
+    def spy(device_type, dtype=None, enabled=True, **kwargs):
+        entered.append((dtype, enabled))
+        return real_autocast(device_type, dtype=dtype, enabled=enabled, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", spy)
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 20)
+    cfg = load_config(None, [f"--data={text}", f"--out_dir={tmp_path / 'run'}", "--n_layer=1", "--n_head=2",
+                             "--n_embd=16", "--block_size=8", "--batch_size=2", "--eval_iters=1", "--warmup_iters=0",
+                             "--max_iters=2", "--eval_interval=2", "--progress=false", "--plot=false",
+                             "--device=cpu", "--dtype=auto"])
+    result = train(cfg)
+    assert result["step"] == 2 and math.isfinite(result["val_loss"])
+    assert entered == [(torch.bfloat16, True)] if native else entered == [(torch.float32, False)]
