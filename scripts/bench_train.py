@@ -101,7 +101,7 @@ def make_kernels(config: GPT2Config, batch_size: int, block_size: int, dtype, de
     wte, wpe = torch.nn.Embedding(V, C).to(device, dtype), torch.nn.Embedding(T, C).to(device, dtype)
     ids, targets = (torch.randint(0, V, (B, T), device=device) for _ in range(2))
     logits = leaf(B * T, V)
-    n_params = 12 * L * C * C + 13 * L * C + V * C + T * C + 2 * C
+    n_params = 12 * L * C * C + 13 * L * C + V * C + config.n_positions * C + 2 * C  # the model's count
     params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.02) for n in (n_params - 2 * C, 2 * C)]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
 
