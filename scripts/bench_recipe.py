@@ -4,17 +4,25 @@ validation loss, runs alternating (nanoGPT, ours, nanoGPT, ours, ...) so that bo
 machine.
 
     python scripts/bench.py recipe --nanogpt PATH/TO/nanoGPT [--runs 3] [--data input.txt]
+        [--ours=--max_iters=2000 ...] [--theirs=--learning_rate=3e-3 ...]
 
 nanoGPT (github.com/karpathy/nanoGPT) is copied to a temporary folder and its
 data/shakespeare_char/prepare.py run there once on --data (not timed: it is nanoGPT's separate
 step, while our wall time includes tokenizing). Each run is a fresh process with a fresh out_dir;
 wall time is from process start to exit, both sides.
+
+Validation loss is shown twice: as each trainer logs it at its last step (eval_iters random
+batches, each its own sample), and for both final models by one scorer, scripts/eval_char_model.py:
+the last 10% of the text, every character scored once. --ours / --theirs pass extra settings to
+one side (repeat them), e.g. --ours=--max_iters=2000 --ours=--learning_rate=1e-3 for nanoGPT's
+schedule on our loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import re
 import shutil
 import statistics
@@ -23,6 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+from eval_char_model import validation_loss
+
+from gpt2attn import GPT2LMHeadModel
+from gpt2attn.tokenizer import encode, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 NANOGPT_CPU_ARGS = [  # nanoGPT's README, "I only have a macbook" / CPU
@@ -41,17 +55,36 @@ def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def run_nanogpt(folder: Path, out_dir: Path) -> tuple[float, float]:
-    seconds, out = timed([sys.executable, "train.py", *NANOGPT_CPU_ARGS, f"--out_dir={out_dir}"], folder)
-    last = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)[-1]
-    return seconds, float(last[1])
+def last_val_part(ids: list[int], fraction: float = 0.1) -> torch.Tensor:
+    return torch.tensor(ids[len(ids) - int(len(ids) * fraction) :])
 
 
-def run_ours(config: Path, data: Path, out_dir: Path) -> tuple[float, float]:
+def run_nanogpt(folder: Path, out_dir: Path, text: str, extra: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, the last logged val loss, and the scorer's loss of the checkpoint it kept."""
+    seconds, out = timed([sys.executable, "train.py", *NANOGPT_CPU_ARGS, *extra, f"--out_dir={out_dir}"], folder)
+    logged = float(re.findall(r"step \d+: train loss [\d.]+, val loss ([\d.]+)", out)[-1])
+    meta = pickle.loads((folder / "data/shakespeare_char/meta.pkl").read_bytes())
+    kept_step = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)["iter_num"]
+    last_step = int(re.findall(r"step (\d+): train loss", out)[-1])
+    if kept_step != last_step:  # nanoGPT keeps a checkpoint only when its val loss improved
+        print(f"  (nanoGPT kept step {kept_step}'s checkpoint, not step {last_step}'s)")
+    model = GPT2LMHeadModel.from_pretrained(out_dir / "ckpt.pt").eval()
+    return seconds, logged, validation_loss(model, last_val_part([meta["stoi"][c] for c in text]))
+
+
+def run_ours(config: Path, data: Path, out_dir: Path, text: str, extra: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, the last logged val loss, and the scorer's loss of the final model."""
     seconds, _ = timed([sys.executable, "-m", "gpt2attn", "train", "--config", str(config), f"--data={data}",
-                        f"--out_dir={out_dir}", "--progress=false"], ROOT)
+                        *extra, f"--out_dir={out_dir}", "--progress=false"], ROOT)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return seconds, [r for r in rows if "val_loss" in r][-1]["val_loss"]
+    logged = [r for r in rows if "val_loss" in r][-1]["val_loss"]
+    model = GPT2LMHeadModel.from_pretrained(out_dir / "model").eval()
+    return seconds, logged, validation_loss(model, last_val_part(encode(load_tokenizer(out_dir / "model"), text)))
+
+
+def row(result: tuple[float, float, float]) -> str:
+    seconds, logged, scored = result
+    return f"{seconds:.1f} s | {logged:.4f} | {scored:.4f}"
 
 
 def main(argv: list[str]) -> int:
@@ -60,13 +93,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", default=str(ROOT.parent / "shared/data/tinyshakespeare/input.txt"))
     parser.add_argument("--config", default=str(ROOT / "configs/train/shakespeare_char_cpu.toml"))
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--ours", action="append", default=[], metavar="--KEY=VALUE", help="extra gpt2attn train setting")
+    parser.add_argument("--theirs", action="append", default=[], metavar="--KEY=VALUE", help="extra nanoGPT setting")
     args = parser.parse_args(argv)
     data = Path(args.data).resolve()
     if not data.is_file():
         parser.error(f"no data at {data}: pass --data=PATH/TO/tinyshakespeare/input.txt")
 
-    import torch
-
+    text = data.read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         nanogpt = shutil.copytree(args.nanogpt, tmp / "nanoGPT", ignore=shutil.ignore_patterns(".git"))
@@ -74,15 +108,16 @@ def main(argv: list[str]) -> int:
         shutil.copy(data, prepared / "input.txt")
         timed([sys.executable, "prepare.py"], prepared)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.runs} runs each, alternating")
-        print("| run | nanoGPT wall | nanoGPT val loss | gpt2attn wall | gpt2attn val loss | wall ratio |")
-        print("|---|---|---|---|---|---|")
+        print(f"nanoGPT: train.py {' '.join(NANOGPT_CPU_ARGS + args.theirs)}")
+        print(f"gpt2attn: train --config {Path(args.config).name} {' '.join(args.ours)}")
+        print("val loss: logged = the trainer's own last estimate; scored = scripts/eval_char_model.py on the final model")
+        print("| run | nanoGPT wall | logged | scored | gpt2attn wall | logged | scored | wall ratio |")
+        print("|---|---|---|---|---|---|---|---|")
         theirs, ours = [], []
         for run in range(1, args.runs + 1):
-            theirs.append(run_nanogpt(nanogpt, tmp / f"nanogpt-{run}"))
-            ours.append(run_ours(Path(args.config), data, tmp / f"gpt2attn-{run}"))
-            (t_s, t_loss), (o_s, o_loss) = theirs[-1], ours[-1]
-            print(f"| {run} | {t_s:.1f} s | {t_loss:.4f} | {o_s:.1f} s | {o_loss:.4f} | {o_s / t_s:.2f}x |", flush=True)
-        t_med, o_med = statistics.median(s for s, _ in theirs), statistics.median(s for s, _ in ours)
-        print(f"| median | {t_med:.1f} s | {statistics.median(v for _, v in theirs):.4f} | {o_med:.1f} s | "
-              f"{statistics.median(v for _, v in ours):.4f} | {o_med / t_med:.2f}x |")
+            theirs.append(run_nanogpt(nanogpt, tmp / f"nanogpt-{run}", text, args.theirs))
+            ours.append(run_ours(Path(args.config), data, tmp / f"gpt2attn-{run}", text, args.ours))
+            print(f"| {run} | {row(theirs[-1])} | {row(ours[-1])} | {ours[-1][0] / theirs[-1][0]:.2f}x |", flush=True)
+        medians = [tuple(statistics.median(r[i] for r in runs) for i in range(3)) for runs in (theirs, ours)]
+        print(f"| median | {row(medians[0])} | {row(medians[1])} | {medians[1][0] / medians[0][0]:.2f}x |")
     return 0
