@@ -62,10 +62,10 @@ def last_val_part(ids: list[int], fraction: float = 0.1) -> torch.Tensor:
 def run_nanogpt(folder: Path, out_dir: Path, text: str, extra: list[str]) -> tuple[float, float, float]:
     """Wall seconds, the last logged val loss, and the scorer's loss of the checkpoint it kept."""
     seconds, out = timed([sys.executable, "train.py", *NANOGPT_CPU_ARGS, *extra, f"--out_dir={out_dir}"], folder)
-    logged = float(re.findall(r"step \d+: train loss [\d.]+, val loss ([\d.]+)", out)[-1])
+    last_step, logged = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)[-1]
+    last_step, logged = int(last_step), float(logged)
     meta = pickle.loads((folder / "data/shakespeare_char/meta.pkl").read_bytes())
     kept_step = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)["iter_num"]
-    last_step = int(re.findall(r"step (\d+): train loss", out)[-1])
     if kept_step != last_step:  # nanoGPT keeps a checkpoint only when its val loss improved
         print(f"  (nanoGPT kept step {kept_step}'s checkpoint, not step {last_step}'s)")
     model = GPT2LMHeadModel.from_pretrained(out_dir / "ckpt.pt").eval()
