@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from eval_char_model import validation_loss
+from eval_char_model import last_part, validation_loss
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.tokenizer import encode, load_tokenizer
@@ -55,21 +55,17 @@ def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def last_val_part(ids: list[int], fraction: float = 0.1) -> torch.Tensor:
-    return torch.tensor(ids[len(ids) - int(len(ids) * fraction) :])
-
-
 def run_nanogpt(folder: Path, out_dir: Path, text: str, extra: list[str]) -> tuple[float, float, float]:
     """Wall seconds, the last logged val loss, and the scorer's loss of the checkpoint it kept."""
     seconds, out = timed([sys.executable, "train.py", *NANOGPT_CPU_ARGS, *extra, f"--out_dir={out_dir}"], folder)
     last_step, logged = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)[-1]
     last_step, logged = int(last_step), float(logged)
     meta = pickle.loads((folder / "data/shakespeare_char/meta.pkl").read_bytes())
-    kept_step = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)["iter_num"]
-    if kept_step != last_step:  # nanoGPT keeps a checkpoint only when its val loss improved
-        print(f"  (nanoGPT kept step {kept_step}'s checkpoint, not step {last_step}'s)")
-    model = GPT2LMHeadModel.from_pretrained(out_dir / "ckpt.pt").eval()
-    return seconds, logged, validation_loss(model, last_val_part([meta["stoi"][c] for c in text]))
+    checkpoint = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+    if checkpoint["iter_num"] != last_step:  # nanoGPT keeps a checkpoint only when its val loss improved
+        print(f"  (nanoGPT kept step {checkpoint['iter_num']}'s checkpoint, not step {last_step}'s)")
+    model = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
+    return seconds, logged, validation_loss(model, last_part(torch.tensor([meta["stoi"][c] for c in text])))
 
 
 def run_ours(config: Path, data: Path, out_dir: Path, text: str, extra: list[str]) -> tuple[float, float, float]:
@@ -79,7 +75,7 @@ def run_ours(config: Path, data: Path, out_dir: Path, text: str, extra: list[str
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "val_loss" in r][-1]["val_loss"]
     model = GPT2LMHeadModel.from_pretrained(out_dir / "model").eval()
-    return seconds, logged, validation_loss(model, last_val_part(encode(load_tokenizer(out_dir / "model"), text)))
+    return seconds, logged, validation_loss(model, last_part(torch.tensor(encode(load_tokenizer(out_dir / "model"), text))))
 
 
 def row(result: tuple[float, float, float]) -> str:

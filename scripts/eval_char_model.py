@@ -23,6 +23,11 @@ from gpt2attn.tokenizer import encode, load_tokenizer
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
+def last_part(ids: torch.Tensor, fraction: float = 0.1) -> torch.Tensor:
+    """The validation split: the last `fraction` of a text's ids."""
+    return ids[len(ids) - int(len(ids) * fraction) :]
+
+
 @torch.no_grad()
 def validation_loss(model: GPT2LMHeadModel, ids: torch.Tensor, batch_size: int = 32) -> float:
     """Mean next-character cross-entropy over ids[1:], each target scored once."""
@@ -56,7 +61,7 @@ def main(argv: list[str]) -> int:
     model = GPT2LMHeadModel.from_pretrained(args.model).eval()
     text = Path(args.data).read_text(encoding="utf-8")
     ids = torch.tensor(encode(load_tokenizer(args.model), text))
-    val = ids[len(ids) - int(len(ids) * args.val_fraction) :]
+    val = last_part(ids, args.val_fraction)
     loss = validation_loss(model, val)
     print(f"{args.model}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f}) over the last "
           f"{len(val):,} characters, each scored once with up to {model.config.n_positions} of context")

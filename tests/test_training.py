@@ -305,4 +305,4 @@ def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native
                              "--device=cpu", "--dtype=auto"])
     result = train(cfg)
     assert result["step"] == 2 and math.isfinite(result["val_loss"])
-    assert entered == [(torch.bfloat16, True)] if native else entered == [(torch.float32, False)]
+    assert entered == ([(torch.bfloat16, True)] if native else [(torch.float32, False)])
