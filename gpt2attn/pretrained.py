@@ -1,6 +1,6 @@
 """GPT2PreTrainedModel: what every gpt2attn model class shares, the surface transformers' models
 have around their forward pass. Loading and saving (gpt2attn/loader.py, formats/hf.py), int8 and
-bf16 (quantize.py), the zero-copy bridge to transformers (interop/transformers.py), embeddings and
+bf16 (quantize.py), the zero-copy bridge to transformers (bridge.py), embeddings and
 their resizing, activation checkpointing switches, parameter counts. model.py builds on it.
 """
 
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .config import GPT2Config, is_int
 from .formats.hf import save_pretrained
-from .interop.transformers import from_transformers, to_transformers
+from .bridge import from_transformers, to_transformers
 from .layers import init_weights
 from .loader import from_pretrained
 from .quantize import quantize

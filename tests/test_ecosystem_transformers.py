@@ -12,7 +12,7 @@ import transformers
 from helpers import max_diff, randomize, tiny_config
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model
-from gpt2attn.interop.transformers import BRIDGED
+from gpt2attn.bridge import BRIDGED
 from gpt2attn.tokenizer import char_tokenizer
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?"
@@ -104,7 +104,7 @@ def test_bridge_table_and_errors():
     assert {"GPT2Model", "GPT2LMHeadModel"} <= set(BRIDGED)
     for name in BRIDGED:  # every bridged name is a transformers class
         assert hasattr(transformers, name)
-    from gpt2attn.interop.transformers import to_transformers
+    from gpt2attn.bridge import to_transformers
 
     with pytest.raises(TypeError, match="no bridge for Linear"):
         to_transformers(torch.nn.Linear(2, 2))

@@ -109,3 +109,28 @@ def test_no_import_cycles():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The floors above the model: bridges to other libraries, the commands and the CLI. They import the
+# model; nothing on the model's floors imports them (the package's __init__ installs the import hooks).
+ABOVE_THE_MODEL = ("gpt2attn.interop", "gpt2attn.commands", "gpt2attn.cli", "gpt2attn.__main__")
+
+
+def is_above(module: str) -> bool:
+    return any(module == top or module.startswith(top + ".") for top in ABOVE_THE_MODEL)
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() if a != "gpt2attn" and not is_above(a)
+                  for b in targets if is_above(b))
+
+
+def test_the_model_imports_nothing_above_it():
+    arrows = upward_arrows(import_graph())
+    assert not arrows, "imports pointing up from the model's floors: " + ", ".join(arrows)
+
+
+def test_upward_arrows_are_found():
+    graph = {"gpt2attn.pretrained": {"gpt2attn.interop.peft", "gpt2attn.config"}, "gpt2attn.interop.peft": set(),
+             "gpt2attn": {"gpt2attn.interop.hooks"}}
+    assert upward_arrows(graph) == ["gpt2attn.pretrained -> gpt2attn.interop.peft"]

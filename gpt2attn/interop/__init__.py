@@ -1,12 +1,12 @@
 """Bridges to other libraries, each importing its client lazily: `import gpt2attn` imports none of them.
 
-transformers.py sits below the model (model.py imports it for to_/from_transformers, and it is
-handed our classes rather than importing them); peft.py, trainer.py and export.py sit above it.
+Everything here sits above the model: it imports the model, never the other way round (the
+zero-copy bridge to transformers that the model's to_/from_transformers use is gpt2attn/bridge.py,
+below the model; tests/test_import_graph.py keeps it so).
 
 hooks.py         imports peft.py / trainer.py / pipeline.py once their client is imported (on `import gpt2attn`)
-transformers.py  zero-copy conversion to and from transformers' GPT-2 classes
 peft.py          LoRA on our Conv1D through PEFT
-trainer.py       transformers.Trainer checkpoints of our models
+trainer.py       transformers.Trainer checkpoints of our models (TRL's trainers are Trainers)
 pipeline.py      transformers.pipeline on our models, through the zero-copy bridge
 export.py        torch.export / ONNX of the prefill and the decode step
 """

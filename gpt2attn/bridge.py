@@ -3,7 +3,7 @@
 `to_transformers(model)` builds transformers' class of the same name on the meta device and puts our
 parameters into it; `from_transformers(hf_model)` does the reverse. Nothing is copied, so a change to a
 weight (an optimizer step, `load_state_dict`, an in-place edit) made through one model is seen by the
-other, and so are dtype and device. transformers is imported here only.
+other, and so are dtype and device. transformers is imported inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import GPT2Config
+from .config import GPT2Config
 
 # Class name (the same in both libraries) -> the gpt2attn module that defines ours. A task head slots
 # in with one line once it exists on our side. Our classes call in here with themselves, so this
-# module never imports them (the model imports this bridge, not the other way round).
+# module never imports them (pretrained.py imports this bridge, which sits below it beside config.py).
 BRIDGED = {
     "GPT2Model": "gpt2attn.model",
     "GPT2LMHeadModel": "gpt2attn.model",
