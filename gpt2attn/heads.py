@@ -12,6 +12,7 @@ pooling and the label checks live once, below the classes.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 from .cache import KVCache, takes_past_key_values
 from .config import PROBLEM_TYPES, GPT2Config
 from .layers import get_activation, init_weights
-from .model import GPT2LMHeadModel, GPT2Model, lm_loss
+from .model import GPT2LMHeadModel, GPT2Model, check_forward_kwargs, lm_loss
 from .pretrained import GPT2PreTrainedModel
 from .outputs import DoubleHeadsOutput, QuestionAnsweringOutput, SequenceClassifierOutput, TokenClassifierOutput
 
@@ -70,7 +71,9 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        **kwargs: Any,
     ) -> SequenceClassifierOutput | tuple:
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -133,7 +136,9 @@ class GPT2ForTokenClassification(GPT2HeadModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        **kwargs: Any,
     ) -> TokenClassifierOutput | tuple:
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -170,7 +175,9 @@ class GPT2ForQuestionAnswering(GPT2HeadModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        **kwargs: Any,
     ) -> QuestionAnsweringOutput | tuple:
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
         out = self.transformer(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=False,
@@ -260,7 +267,9 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        **kwargs: Any,
     ) -> DoubleHeadsOutput | tuple:
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
         lead = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:-1]  # (B, n_choices) or (B,)
 
         def flat(t: Tensor | None) -> Tensor | None:  # (B, n_choices, T, ...) -> (B * n_choices, T, ...)

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
 from .cache import KVCache, as_cache, cached_length, takes_past_key_values, write_back
-from .config import GPT2Config
-from .generation import GenerationConfig, compute_transition_scores, generate
+from .config import GPT2Config, is_int
+from .generation import GenerationConfig, as_generation_config, compute_transition_scores, generate
 from .layers import Block, encoder_attention, init_weights, padding_mask
 from .outputs import BaseModelOutput, CausalLMOutput
 from .pretrained import GPT2PreTrainedModel
@@ -80,9 +80,12 @@ class GPT2Model(GPT2PreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        **kwargs: Any,
     ) -> BaseModelOutput | tuple:
         """Arguments left at None take the config's value (use_cache, output_attentions,
-        output_hidden_states, return_dict), as in transformers; return_dict=False gives the tuple."""
+        output_hidden_states, return_dict), as in transformers; return_dict=False gives the tuple.
+        **kwargs: the extra keywords transformers' forward takes (see check_forward_kwargs)."""
+        check_forward_kwargs(kwargs)
         cfg = self.config
         use_cache = cfg.use_cache if use_cache is None else use_cache
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
@@ -202,7 +205,13 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: int | Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
+        **kwargs: Any,
     ) -> CausalLMOutput | tuple:
+        """logits_to_keep, as in transformers: an int N computes the logits of the last N positions
+        only (0: all of them), a 1-D tensor those of the positions it lists, a 2-D one per row
+        (integer: positions (B, K); bool (B, T): the True positions, flattened to (K, V))."""
+        check_forward_kwargs(kwargs)
         out = self.transformer(
             input_ids,
             cache=cache,
@@ -218,7 +227,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        logits = self.lm_head(out.last_hidden_state)  # (B, T, vocab)
+        logits = self.lm_head(kept_positions(out.last_hidden_state, logits_to_keep))  # (B, T, vocab), T as kept
         loss = None
         if labels is not None:
             loss = lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch)
@@ -275,7 +284,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
 
     @generation_config.setter
     def generation_config(self, value: Any) -> None:
-        self.__dict__["_generation_config"] = value
+        """gpt2attn's GenerationConfig, or transformers' (kept as ours: the fields it sets)."""
+        self.__dict__["_generation_config"] = as_generation_config(value)
 
     def generate(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
         """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
@@ -285,6 +295,37 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
                                   beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:
         """Each generated token's score at the step that chose it; see gpt2attn.generation."""
         return compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
+
+
+def kept_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
+    """The hidden states (B, T, C) whose logits are wanted (see GPT2LMHeadModel.forward)."""
+    if isinstance(logits_to_keep, Tensor):
+        if logits_to_keep.dim() == 2 and logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]  # (K, C)
+        if logits_to_keep.dim() == 2:
+            return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)  # (B, K, C)
+        if logits_to_keep.dim() != 1:
+            raise ValueError(f"logits_to_keep must be an int or a 1-D or 2-D tensor, got shape {tuple(logits_to_keep.shape)}")
+        return hidden[:, logits_to_keep]  # (B, K, C)
+    if not is_int(logits_to_keep) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be an int >= 0 or a tensor of positions, got {logits_to_keep!r}")
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden  # (B, N, C)
+
+
+# The keywords transformers' forward methods take through **kwargs (its TransformersKwargs) beyond
+# the named ones: those meaning nothing for GPT-2 are accepted and ignored, as transformers' GPT-2
+# ignores them; packed sequences (flash-attention's cumulative lengths) are refused, not ignored.
+IGNORED_KWARGS = {"num_items_in_batch", "output_router_logits", "is_causal"}
+PACKED_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+
+
+def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse what forward's **kwargs cannot honour, naming the keyword."""
+    for key in kwargs:
+        if key in PACKED_KWARGS:
+            raise ValueError(f"{key}: packed sequences are not supported; pad the batch and pass attention_mask")
+        if key not in IGNORED_KWARGS:
+            raise TypeError(f"forward() got an unexpected keyword argument {key!r}")
 
 
 def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: int | Tensor | None = None) -> Tensor:

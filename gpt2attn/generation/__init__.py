@@ -14,7 +14,7 @@ its generate() / generation_config.
 
 from pathlib import Path
 
-from .config import GenerationConfig
+from .config import GenerationConfig, as_generation_config
 from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, compute_transition_scores, generate
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
@@ -24,6 +24,7 @@ __all__ = [
     "GenerateBeamDecoderOnlyOutput",
     "GenerateDecoderOnlyOutput",
     "GenerationConfig",
+    "as_generation_config",
     "compute_transition_scores",
     "generate",
 ]

@@ -195,6 +195,30 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+# transformers' GenerationConfig fields that choose how generate runs (compilation, the cache's layout,
+# bookkeeping), not which tokens come out: a transformers config carrying them is taken without them.
+HOW_NOT_WHAT = {"transformers_version", "_from_model_config", "disable_compile", "compile_config",
+                "cache_implementation", "cache_config", "low_memory"}
+
+
+def as_generation_config(value: Any, base: GenerationConfig | None = None) -> GenerationConfig:
+    """Ours as it is; transformers' GenerationConfig (anything with its to_diff_dict) as ours: the
+    fields it sets applied to `base` (else to the defaults), as transformers fills the fields a
+    passed config leaves unset from the model's. A field ours does not implement is an error."""
+    if isinstance(value, GenerationConfig):
+        return value
+    to_diff_dict = getattr(value, "to_diff_dict", None)
+    if not callable(to_diff_dict):
+        raise TypeError(f"generation_config must be a GenerationConfig (gpt2attn's or transformers'), "
+                        f"got {type(value).__name__}")
+    given = {k: v for k, v in to_diff_dict().items() if k not in HOW_NOT_WHAT}
+    names = {f.name for f in fields(GenerationConfig)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"generation_config sets {unknown}, which gpt2attn's generate does not implement")
+    return replace(base if base is not None else GenerationConfig(), **given)
+
+
 def load_generation_config(model, folder: str | Path) -> None:
     """Give model the folder's generation_config.json, when there is one."""
     if (Path(folder) / GENERATION_CONFIG_NAME).is_file():
@@ -208,4 +232,4 @@ def save_generation_config(model, folder: str | Path) -> None:
         config.save_pretrained(folder)
 
 
-__all__ = ["GenerationConfig", "GENERATION_CONFIG_NAME", "load_generation_config", "save_generation_config"]
+__all__ = ["GenerationConfig", "as_generation_config", "GENERATION_CONFIG_NAME", "load_generation_config", "save_generation_config"]

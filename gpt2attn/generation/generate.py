@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..cache import KVCache, as_cache, takes_past_key_values
 from ..outputs import ModelOutput
-from .config import GenerationConfig
+from .config import GenerationConfig, as_generation_config
 from .decoder import Decoder
 from .processors import build_processors
 from .search import beam_search, sample_search
@@ -67,7 +67,8 @@ def generate(
     inputs_embeds prompt), a GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput with
     return_dict_in_generate=True, or with stream=True an iterator of each step's tokens [B].
     """
-    cfg = (generation_config or model.generation_config).update(**kwargs)
+    given = model.generation_config if generation_config is None else generation_config
+    cfg = as_generation_config(given, base=model.generation_config).update(**kwargs)
     mcfg = model.config
     cfg.check(mcfg.vocab_size, keywords=kwargs)
     if cfg.pad_token_id is None and cfg.eos_ids:
