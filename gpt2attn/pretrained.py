@@ -28,6 +28,7 @@ class GPT2PreTrainedModel(nn.Module):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_save = None  # read by transformers.Trainer when it resumes from a checkpoint
+    model_tags: list[str] | None = None  # the hub's tags for this model (TRL's trainers add theirs)
 
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -55,6 +56,15 @@ class GPT2PreTrainedModel(nn.Module):
     @classmethod
     def can_generate(cls) -> bool:
         return False
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Add tags (a str or a list) to model_tags, each once, keeping the ones there."""
+        tags = [tags] if isinstance(tags, str) else tags
+        if self.model_tags is None:
+            self.model_tags = []
+        for tag in tags:
+            if tag not in self.model_tags:
+                self.model_tags.append(tag)
 
     def to_transformers(self, attn_implementation: str | None = None) -> Any:
         """transformers' model of the same class sharing these very parameters (no copy)."""
