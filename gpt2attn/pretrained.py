@@ -6,6 +6,7 @@ their resizing, activation checkpointing switches, parameter counts. model.py bu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,13 +14,14 @@ from torch import Tensor, nn
 
 from .config import GPT2Config, is_int
 from .formats.hf import save_pretrained
+from .adapters import AdapterMixin
 from .bridge import from_transformers, to_transformers
 from .layers import init_weights
 from .loader import from_pretrained
 from .quantize import quantize
 
 
-class GPT2PreTrainedModel(nn.Module):
+class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     """What every GPT-2 model shares: the config, checkpoint files, embeddings access and resizing,
     gradient checkpointing; the class attributes transformers' GPT2PreTrainedModel has."""
 
@@ -50,7 +52,13 @@ class GPT2PreTrainedModel(nn.Module):
         return quantize(self, mode)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:
-        """Write an HF model folder (config.json + safetensors) that `transformers` opens."""
+        """Write an HF model folder (config.json + safetensors) that `transformers` opens; with
+        adapters loaded (add_adapter / load_adapter), the active adapter only, as transformers does."""
+        if self._hf_peft_config_loaded:
+            if kwargs.get("is_main_process", True):
+                Path(save_directory).mkdir(parents=True, exist_ok=True)
+                self.save_adapter(save_directory)
+            return
         save_pretrained(self, save_directory, **kwargs)
 
     @classmethod
