@@ -26,10 +26,9 @@ PEFT_PREFIX = "base_model.model."  # what PEFT's and transformers' adapter files
 
 
 def _peft() -> Any:
-    """peft, with LoRA for our Conv1D (gpt2attn/interop/peft.py, which the import hooks bring)."""
-    peft = importlib.import_module("peft")
-    importlib.import_module("gpt2attn.interop.peft")
-    return peft
+    """peft; importing it brings LoRA for our Conv1D (gpt2attn/interop/peft.py) through the import
+    hooks (with GPT2ATTN_NO_IMPORT_HOOKS=1, import that bridge by hand first)."""
+    return importlib.import_module("peft")
 
 
 class AdapterMixin:

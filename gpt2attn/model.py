@@ -176,6 +176,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
             init_weights(self.lm_head, config)
 
     accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch to forward
+    output_modalities = ("text",)
 
     @classmethod
     def can_generate(cls) -> bool:
@@ -184,8 +185,8 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
 
     @takes_past_key_values
     def forward(
@@ -287,9 +288,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         """gpt2attn's GenerationConfig, or transformers' (kept as ours: the fields it sets)."""
         self.__dict__["_generation_config"] = as_generation_config(value)
 
-    def generate(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+    def generate(self, input_ids: Tensor | None = None, generation_config: Any = None, assistant_model: Any = None,
+                 **kwargs: Any) -> Any:
         """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
-        return generate(self, input_ids, **kwargs)
+        return generate(self, input_ids, generation_config=generation_config, assistant_model=assistant_model,
+                        **kwargs)
 
     def compute_transition_scores(self, sequences: Tensor, scores: tuple[Tensor, ...],
                                   beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config, is_int
+from .generation.config import GenerationConfig
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
 from .bridge import from_transformers, to_transformers
@@ -31,6 +32,8 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_save = None  # read by transformers.Trainer when it resumes from a checkpoint
     model_tags: list[str] | None = None  # the hub's tags for this model (TRL's trainers add theirs)
+    input_modalities = "text"
+    generation_config_class = GenerationConfig  # what generate() and generation_config take
 
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -40,11 +43,11 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         self.config = config
 
     @classmethod
-    def from_pretrained(cls, src: Any, dtype: Any = None, device: Any = None, quantize: str | None = None,
-                        **kwargs: Any):
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, dtype: Any = None, device: Any = None,
+                        quantize: str | None = None, **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
         quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
-        model = from_pretrained(cls, src, dtype=dtype, device=device, **kwargs)
+        model = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
         return model.quantize(quantize) if quantize is not None else model
 
     def quantize(self, mode: str = "int8"):
@@ -82,6 +85,45 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def from_transformers(cls, hf_model: Any):
         """This class built around a transformers model's own parameters (no copy)."""
         return from_transformers(cls, hf_model)
+
+    # --- the model's parts, as transformers names them ---------------------------------------
+
+    def get_decoder(self) -> nn.Module:
+        """The GPT2Model at the core (GPT-2 is a decoder)."""
+        return self.base_model
+
+    def set_decoder(self, decoder: nn.Module) -> None:
+        """Put another GPT2Model at the core of a head model."""
+        if self.base_model is self:
+            raise ValueError(f"{type(self).__name__} is the decoder itself; set_decoder is for the models around one")
+        setattr(self, self.base_model_prefix, decoder)
+
+    def get_encoder(self, modality: str | None = None) -> nn.Module:
+        """GPT-2 has no encoder: the model itself, as transformers answers for decoder-only models."""
+        if modality not in (None, "text"):
+            raise ValueError(f"modality={modality!r}: GPT-2 reads text only")
+        return self
+
+    @property
+    def dummy_inputs(self) -> dict[str, Tensor]:
+        """transformers' three-row batch of token ids for a trial forward pass."""
+        return {"input_ids": torch.tensor([[7, 6, 0, 0, 1], [1, 2, 3, 0, 0], [0, 0, 0, 4, 5]])}
+
+    def get_parameter_or_buffer(self, target: str) -> Tensor:
+        """The parameter or buffer at this dotted name (AttributeError when neither)."""
+        for getter in (self.get_parameter, self.get_buffer):
+            try:
+                return getter(target)
+            except AttributeError:
+                pass
+        raise AttributeError(f"`{target}` is neither a parameter, buffer, nor extra state.")
+
+    def named_non_persistent_buffers(self, recurse: bool = True, remove_duplicate: bool = True):
+        """named_buffers(), only those left out of the state dict."""
+        for name, tensor in self.named_buffers(recurse=recurse, remove_duplicate=remove_duplicate):
+            owner, _, leaf = name.rpartition(".")
+            if leaf in self.get_submodule(owner)._non_persistent_buffers_set:
+                yield name, tensor
 
     # --- embeddings -----------------------------------------------------------------------
 

@@ -1,0 +1,222 @@
+"""transformers' model surface, read from the installed transformers: every public name of its GPT-2
+classes beyond nn.Module / object is on ours with a compatible signature, or is a row of the one table
+of deliberate omissions (docs/surface.md, parsed here). A name a new transformers adds fails this test,
+named in the message; so does a row for a name transformers no longer has.
+
+Then the names this surface work added, each against transformers' own behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from helpers import hf_twin, max_diff, randomize, tiny_config  # noqa: E402
+
+import gpt2attn  # noqa: E402
+from gpt2attn import GPT2LMHeadModel  # noqa: E402
+
+CLASSES = ["GPT2LMHeadModel", "GPT2Model", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
+           "GPT2ForQuestionAnswering", "GPT2DoubleHeadsModel", "GPT2Config"]
+SURFACE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "surface.md"
+ROW = re.compile(r"^\| `(?:(GPT2Config)\.)?(\w+)(?:\(([^)]*)\))?` \| (.+) \|$")
+P = inspect.Parameter
+
+
+def omissions() -> dict[tuple[str, str], set[str] | None]:
+    """(scope, name) -> None for a name left out, or the set of its parameters left out; scope is
+    "GPT2Config" or "model" (every model class)."""
+    table: dict[tuple[str, str], set[str] | None] = {}
+    for line in SURFACE_PAGE.read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            config, name, params, reason = m.groups()
+            assert reason.strip(), f"docs/surface.md: the row for {name} gives no reason"
+            key = ("GPT2Config" if config else "model", name)
+            assert key not in table, f"docs/surface.md: two rows for {name}"
+            table[key] = None if params is None else {p.strip() for p in params.split(",")}
+    return table
+
+
+def public_names(cls: type, config: bool) -> list[str]:
+    inherited = set(dir(object)) if config else set(dir(torch.nn.Module)) | set(dir(object))
+    return sorted(n for n in dir(cls) if not n.startswith("_") and n not in inherited)
+
+
+def signature_problem(theirs, ours, left_out: set[str]) -> str | None:
+    """None when ours takes transformers' parameters (those not left out) under their names and in
+    their order, and *args / **kwargs where transformers has them; else what differs."""
+    def params(f):
+        try:
+            return [p for p in inspect.signature(f).parameters.values() if p.name not in ("self", "cls")]
+        except (TypeError, ValueError):
+            return None
+
+    t, o = params(theirs), params(ours)
+    if t is None or o is None:
+        return None
+    positional = [p.name for p in t if p.kind == P.POSITIONAL_OR_KEYWORD and p.name not in left_out]
+    ours_named = [p.name for p in o if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    it = iter(ours_named)
+    if not all(name in it for name in positional):  # a subsequence: the same names in the same order
+        return f"transformers takes {positional}, ours {ours_named}"
+    ours_kwargs = any(p.kind == P.VAR_KEYWORD for p in o)
+    keyword_only = [p.name for p in t if p.kind == P.KEYWORD_ONLY and p.name not in left_out]
+    missing = [name for name in keyword_only if name not in ours_named and not ours_kwargs]
+    if missing:
+        return f"transformers takes keywords {missing}, ours does not"
+    for kind, label in ((P.VAR_POSITIONAL, "*args"), (P.VAR_KEYWORD, "**kwargs")):
+        name = next((p.name for p in t if p.kind == kind), None)
+        if name and name not in left_out and not any(p.kind == kind for p in o):
+            return f"transformers takes {label} ({name}), ours does not"
+    return None
+
+
+def surface_report():
+    table = omissions()
+    implemented, omitted, problems, used = {}, {}, [], set()
+    for cname in CLASSES:
+        theirs, ours = getattr(transformers, cname), getattr(gpt2attn, cname)
+        scope = "GPT2Config" if cname == "GPT2Config" else "model"
+        for name in public_names(theirs, scope == "GPT2Config"):
+            row = table.get((scope, name), ())
+            if row != ():
+                used.add((scope, name))
+            if row is None and not hasattr(ours, name):
+                omitted.setdefault(cname, []).append(name)
+                continue
+            if not hasattr(ours, name):
+                member = inspect.getattr_static(theirs, name)
+                shown = inspect.signature(getattr(theirs, name)) if inspect.isfunction(member) else type(member).__name__
+                problems.append(f"{cname}.{name} {shown}: new in transformers {transformers.__version__}? "
+                                f"implement it or add its row to docs/surface.md")
+                continue
+            t, o = getattr(theirs, name), getattr(ours, name)
+            if callable(t) and not inspect.isclass(t) and callable(o) and not inspect.isclass(o):
+                problem = signature_problem(t, o, row or set())
+                if problem:
+                    problems.append(f"{cname}.{name}: {problem}")
+            implemented.setdefault(cname, []).append(name)
+    for (scope, name), row in table.items():  # a whole name left out must be missing from some class
+        classes = CLASSES[-1:] if scope == "GPT2Config" else CLASSES[:-1]
+        if row is None and (scope, name) in used and all(hasattr(getattr(gpt2attn, c), name) for c in classes):
+            problems.append(f"{name} is implemented on every class: delete its row in docs/surface.md")
+    stale = sorted(set(table) - used)
+    problems += [f"docs/surface.md has a row for {scope} {name}, which transformers no longer has" for scope, name in stale]
+    return implemented, omitted, problems
+
+
+def test_every_public_name_is_implemented_or_listed():
+    implemented, omitted, problems = surface_report()
+    model_names = {n for c in CLASSES[:-1] for n in implemented.get(c, []) + omitted.get(c, [])}
+    done = {n for c in CLASSES[:-1] for n in implemented.get(c, [])}
+    print(f"\ntransformers {transformers.__version__}: {len(model_names)} distinct model names, "
+          f"{len(done)} implemented on at least one class, {len(model_names - done)} omitted")
+    for cname in CLASSES:
+        i, o = len(implemented.get(cname, [])), len(omitted.get(cname, []))
+        print(f"  {cname}: {i} implemented, {o} omitted, {i + o} total")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_table_is_read():
+    table = omissions()
+    assert table[("model", "push_to_hub")] is None
+    assert table[("GPT2Config", "rope_scaling")] is None
+    assert "push_to_hub" in table[("model", "save_pretrained")]
+
+
+def test_signature_problems_are_found():
+    def theirs(a, b, *, c=1, **kwargs): ...
+    def same(a, b, extra=0, *, c=1, **kwargs): ...
+    def renamed(a, x, *, c=1, **kwargs): ...
+    def no_kwargs(a, b, *, c=1): ...
+    def kwargs_only(a, b, **kwargs): ...
+    assert signature_problem(theirs, same, set()) is None
+    assert signature_problem(theirs, renamed, set()) is not None
+    assert signature_problem(theirs, renamed, {"b"}) is None
+    assert signature_problem(theirs, no_kwargs, set()) is not None
+    assert signature_problem(theirs, kwargs_only, set()) is None  # c goes through **kwargs
+
+
+# --- the names this work added, each as transformers' ---------------------------------------
+
+
+def twins(**config):
+    ours = randomize(GPT2LMHeadModel(tiny_config(**config))).eval()
+    return ours, hf_twin(ours).eval()
+
+
+def test_model_parts_tags_and_dummy_inputs_as_transformers():
+    ours, theirs = twins()
+    assert ours.get_decoder() is ours.transformer and type(theirs.get_decoder()).__name__ == "GPT2Model"
+    assert ours.get_encoder() is ours and theirs.get_encoder() is theirs
+    assert torch.equal(ours.dummy_inputs["input_ids"], theirs.dummy_inputs["input_ids"])
+    assert ours.input_modalities == theirs.input_modalities and ours.output_modalities == theirs.output_modalities
+    assert list(ours.named_non_persistent_buffers()) == list(theirs.named_non_persistent_buffers())
+    assert torch.equal(ours.get_parameter_or_buffer("lm_head.weight"), theirs.get_parameter_or_buffer("lm_head.weight"))
+    with pytest.raises(AttributeError):
+        ours.get_parameter_or_buffer("transformer.nothing")
+    for m in (ours, theirs):
+        m.add_model_tags("trl")
+        m.add_model_tags(["sft", "trl"])
+    assert ours.model_tags == theirs.model_tags == ["trl", "sft"]
+    assert GPT2LMHeadModel(tiny_config()).model_tags is None  # a class default, not shared between models
+    body = gpt2attn.GPT2Model(tiny_config())
+    with pytest.raises(ValueError, match="decoder itself"):
+        body.set_decoder(body)
+    ours.set_decoder(body)
+    assert ours.transformer is body
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, "positions", "rows", "mask"])
+def test_logits_to_keep_as_transformers(keep):
+    ours, theirs = twins()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    keep = {"positions": torch.tensor([0, 4, 8]), "rows": torch.tensor([[1, 2], [3, 8]]),
+            "mask": torch.arange(18).view(2, 9) % 3 == 0}.get(keep, keep)
+    a, b = ours(ids, logits_to_keep=keep).logits, theirs(ids, logits_to_keep=keep).logits
+    assert a.shape == b.shape and max_diff(a, b) < 1e-5
+
+
+def test_forward_takes_transformers_extra_keywords():
+    ours, theirs = twins()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    a = ours(ids, labels=ids, num_items_in_batch=7, output_router_logits=False).loss
+    b = theirs(ids, labels=ids, num_items_in_batch=7).loss
+    assert abs(a.item() - b.item()) < 1e-5
+    head = gpt2attn.GPT2ForSequenceClassification(tiny_config(num_labels=2, pad_token_id=0))
+    head(ids, num_items_in_batch=3)  # the heads take (and ignore) it, as transformers'
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        ours(ids, cu_seq_lens_q=torch.tensor([0, 9]))
+    with pytest.raises(TypeError, match="'colour'"):
+        ours(ids, colour=1)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        ours(ids, logits_to_keep=-1)
+
+
+def test_transformers_generation_config_everywhere(tmp_path):
+    ours, theirs = twins(eos_token_id=5)
+    ids = torch.randint(6, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=5)
+    assert torch.equal(ours.generate(ids, generation_config=greedy), theirs.generate(ids, generation_config=greedy))
+    sampled = transformers.GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, top_p=0.9, temperature=0.8,
+                                            pad_token_id=0, disable_compile=True)
+    ours.generation_config = sampled
+    theirs.generation_config = sampled
+    torch.manual_seed(3)
+    a = ours.generate(ids)
+    torch.manual_seed(3)
+    assert torch.equal(a, theirs.generate(ids))
+    beams = transformers.GenerationConfig(max_new_tokens=4, num_beams=3, pad_token_id=0, eos_token_id=5)
+    theirs.save_pretrained(tmp_path)
+    beams.save_pretrained(tmp_path)  # generation_config.json as transformers writes it
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.generate(ids), transformers.GPT2LMHeadModel.from_pretrained(tmp_path).generate(ids))
+    with pytest.raises(ValueError, match="diversity_penalty"):
+        ours.generate(ids, generation_config=transformers.GenerationConfig(num_beams=2, num_beam_groups=2,
+                                                                           diversity_penalty=1.0))
