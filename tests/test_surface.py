@@ -220,3 +220,51 @@ def test_transformers_generation_config_everywhere(tmp_path):
     with pytest.raises(ValueError, match="diversity_penalty"):
         ours.generate(ids, generation_config=transformers.GenerationConfig(num_beams=2, num_beam_groups=2,
                                                                            diversity_penalty=1.0))
+
+
+@pytest.mark.slow  # importing peft takes most of its 15 s
+def test_adapter_methods_as_transformers_and_files_cross_load(tmp_path):
+    """transformers 5.24's own adapter methods need peft >= 0.22 (unreleased), so the reference is
+    PEFT's PeftModel on transformers' GPT-2: the same outputs, state dict keys and files."""
+    peft = pytest.importorskip("peft")
+    ours, theirs = twins()
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    lora = dict(r=4, target_modules=["c_attn", "c_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    ours.add_adapter(peft.LoraConfig(**lora))
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(theirs, peft.LoraConfig(**lora)).eval()
+    assert ours.active_adapters() == ["default"]
+    assert max_diff(ours(ids).logits, wrapped(ids).logits) < 1e-5
+    assert max_diff(ours(ids).logits, hf_twin(GPT2LMHeadModel(tiny_config())).eval()(ids).logits) > 1e-2
+    ours.disable_adapters()
+    with wrapped.disable_adapter():
+        assert max_diff(ours(ids).logits, wrapped(ids).logits) < 1e-5
+    ours.enable_adapters()
+    theirs_keys = {k.removeprefix("base_model.model.") for k in peft.get_peft_model_state_dict(wrapped)}
+    assert set(ours.get_adapter_state_dict()) == theirs_keys
+
+    ours.save_pretrained(tmp_path / "ours")  # the adapter alone, as transformers' save_pretrained
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    wrapped.save_pretrained(tmp_path / "theirs")
+    fresh = GPT2LMHeadModel(tiny_config()).eval()
+    fresh.load_state_dict(base)
+    fresh.load_adapter(tmp_path / "theirs")
+    assert not fresh.training and not any(p.requires_grad for n, p in fresh.named_parameters() if "lora" in n)
+    assert max_diff(fresh(ids).logits, ours(ids).logits) == 0
+    hf_base = transformers.GPT2LMHeadModel(theirs.config)
+    hf_base.load_state_dict(base)
+    reloaded = peft.PeftModel.from_pretrained(hf_base.eval(), tmp_path / "ours")
+    assert max_diff(reloaded(ids).logits, ours(ids).logits) < 1e-5
+
+    ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"]), adapter_name="two")
+    assert ours.active_adapters() == ["two"]
+    ours.set_adapter("default")
+    assert ours.active_adapters() == ["default"]
+    with pytest.raises(ValueError, match="already exists"):
+        ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"]), adapter_name="two")
+    ours.delete_adapter("two")
+    assert list(ours.peft_config) == ["default"]
+    with pytest.raises(ValueError, match="not found"):
+        ours.set_adapter("two")
