@@ -84,6 +84,10 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
     new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
     check_state(state, expected, skip=skip | set(new_head), where=where)
     device = torch.device(device) if device is not None else None
+    if dtype is None:  # a checkpoint mixing float dtypes is cast to its token embedding's, so the model runs
+        stored = {t.dtype for t in state.values() if t.is_floating_point()}
+        wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+        dtype = wte.dtype if len(stored) > 1 and wte is not None else None
     if new_head:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         init_new_head(model, new_head, config, device, dtype or stored)

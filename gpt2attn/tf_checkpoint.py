@@ -228,6 +228,7 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
             shape_proto = parse_proto(_messages(entry, 2)[-1]) if 2 in entry else {}
             shape = [_number(parse_proto(d), 1) for d in _messages(shape_proto, 2)]
             shard_id, offset, size = (_number(entry, n) for n in (3, 4, 5))
+            crc = _number(entry, 6) if 6 in entry else None
         except ValueError as e:
             raise CheckpointError(index_path, f"corrupt: the entry of tensor {name} cannot be read ({e})") from None
         if dtype_code not in TF_DTYPES:
@@ -249,7 +250,7 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(shard_path, f"truncated: tensor {name} ends at byte {offset + size}, "
                                               f"the file has {len(data)}")
         raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
-        if 6 in entry and masked_crc32c(raw) != _number(entry, 6):
+        if crc is not None and masked_crc32c(raw) != crc:
             raise CheckpointError(shard_path, f"corrupt: tensor {name} fails its crc32c check")
         tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
     return tensors
