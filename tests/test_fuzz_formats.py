@@ -209,6 +209,9 @@ REGRESSIONS = [
     ("hparams deep", lambda t: tf_hparams(t, DEEP), "nested 100000 deep"),
     ("hparams long int", lambda t: tf_hparams(t, LONG), "5000 digits"),
     # fields that gave an exception from deep inside
+    ("config activation", lambda t: config_field(t, activation_function="__dict__"),
+     "activation_function is '__dict__'; gpt2attn knows gelu"),
+    ("gguf magic", lambda t: gguf(t, version=2**32 - 1), "unsupported GGUF version 4294967295"),
     ("config key __dict__", lambda t: config_field(t, __dict__={"n_layer": 5}), "'__dict__' cannot be set"),
     ("gguf eps NaN", lambda t: gguf(t, gguf_field("gpt2.attention.layer_norm_epsilon", 6, math.nan)),
      "gpt2.attention.layer_norm_epsilon is nan"),
@@ -271,3 +274,18 @@ def test_gpt2_xl_sizes_pass_every_reader(tmp_path):
     path.write_bytes(header.numpy().tobytes())
     with pytest.raises(CheckpointError, match=r"truncated: the llm.c header's sizes .* need 6230746624 bytes"):
         llmc.read_header(path)  # every size accepted; only the missing tensors are refused
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_pickles_never_run_code_even_when_the_environment_asks(tmp_path, monkeypatch, capsys):
+    """torch lets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turn weights-only loading off where a caller
+    does not ask for it; gpt2attn always asks, so the pickle is refused and nothing runs."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    call, path = state_dict_file(tmp_path, lambda s: set_item(s, "transformer.ln_f.bias", RunsCode()))
+    with pytest.raises(CheckpointError, match="refused: holds objects that weights-only loading does not allow"):
+        call()
+    assert "this must never run" not in capsys.readouterr().out

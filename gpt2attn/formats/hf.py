@@ -24,6 +24,7 @@ from ..config import CONFIG_NAME, GPT2Config, is_int
 from ..errors import CheckpointError, read_json, shorten
 from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
+from ..layers import ACTIVATIONS
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
 from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, read_bin
 
@@ -65,7 +66,13 @@ def weights_file(path: Path) -> Path:
 
 
 def read_config(path: Path) -> GPT2Config:
-    return GPT2Config.from_json_file(path)  # errors are CheckpointErrors naming the file
+    """config.json, checked (errors are CheckpointErrors naming the file), with an activation the
+    model knows, so that building the model cannot fail on it."""
+    config = GPT2Config.from_json_file(path)
+    if config.activation_function not in ACTIVATIONS:
+        raise CheckpointError(path, f"activation_function is {config.activation_function!r:.80}; gpt2attn knows "
+                                    f"{', '.join(sorted(ACTIVATIONS))}")
+    return config
 
 
 def read_weights(path: Path) -> tuple[dict[str, Tensor], Path | None]:
