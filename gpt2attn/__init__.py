@@ -3,6 +3,7 @@
 from .attention import causal_mask, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config
+from .errors import CheckpointError
 from .layers import MLP, Attention, Block, Conv1D
 from .heads import (
     GPT2DoubleHeadsModel,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT2Config",
+    "CheckpointError",
     "Conv1D",
     "Attention",
     "MLP",

@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .errors import CheckpointError, read_json_file
 from .files import write_text_atomic
 from .hub import resolve  # hub names go through huggingface_hub's cache, as for models
 
@@ -29,6 +30,29 @@ ALIASES = {
     "num_attention_heads": "n_head",
     "num_hidden_layers": "n_layer",
 }
+
+# The largest value each size may take: gpt2-xl (48 layers, 1600 wide, 25 heads, 50257 tokens, 1024
+# positions) with wide headroom. A file declaring more is refused before anything is built or
+# allocated (docs/hostile-files.md).
+LIMITS = {
+    "vocab_size": 2**21,  # 2,097,152 tokens (gpt2: 50257)
+    "n_positions": 2**20,  # 1,048,576 positions (gpt2: 1024)
+    "n_embd": 2**16,  # 65,536 wide (gpt2-xl: 1600)
+    "n_layer": 256,  # (gpt2-xl: 48)
+    "n_head": 2**10,  # 1024 heads (gpt2-xl: 25)
+    "n_inner": 2**18,  # 262,144 (4 * the widest n_embd; gpt2-xl: 6400)
+    "num_labels": 2**16,  # 65,536 labels of a classification head
+}
+GPT2_XL = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 1600, "n_layer": 48, "n_head": 25, "n_inner": 6400,
+           "num_labels": 2}
+
+
+def check_limit(name: str, value: int) -> None:
+    """Raise ValueError naming the field when `value` exceeds LIMITS[name]."""
+    if value > LIMITS[name]:
+        raise ValueError(f"GPT2Config.{name} is {value}, above gpt2attn's limit of {LIMITS[name]} "
+                         f"(gpt2-xl has {GPT2_XL[name]}; see docs/hostile-files.md)")
+
 
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SUMMARY_TYPES = ("last", "first", "mean", "cls_index", "attn")
@@ -131,6 +155,8 @@ class GPT2Config:
     def _set(self, key: str, value: Any) -> None:
         """Set a field, an alias or an extra key; refuse names of methods and computed properties."""
         attr = getattr(type(self), key, None)
+        if not isinstance(key, str) or (key.startswith("__") and key.endswith("__")):
+            raise ValueError(f"GPT2Config: {key!r} cannot be set: not a config key")
         if key not in _FIELDS and (callable(attr) or (isinstance(attr, property) and attr.fset is None)):
             raise ValueError(f"GPT2Config: {key!r} cannot be set: it is computed or a method")
         setattr(self, key, value)
@@ -144,7 +170,10 @@ class GPT2Config:
 
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             require(is_int(getattr(self, name)) and getattr(self, name) > 0, name, "a positive integer")
+            check_limit(name, getattr(self, name))
         require(self.n_inner is None or (is_int(self.n_inner) and self.n_inner > 0), "n_inner", "a positive integer or None")
+        if self.n_inner is not None:
+            check_limit("n_inner", self.n_inner)
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
@@ -173,6 +202,7 @@ class GPT2Config:
         labels = self.id2label
         ok = isinstance(labels, dict) and len(labels) > 0 and all(is_int(k) and isinstance(v, str) for k, v in labels.items())
         require(ok, "id2label", "a non-empty dict of {integer id: label name}")
+        check_limit("num_labels", len(labels))
         ok = isinstance(self.label2id, dict) and all(isinstance(k, str) and is_int(v) for k, v in self.label2id.items())
         require(ok, "label2id", "a dict of {label name: integer id}")
         arch = self.architectures
@@ -192,6 +222,7 @@ class GPT2Config:
     def num_labels(self, n: int) -> None:
         if not is_int(n) or n < 1:
             raise ValueError(f"GPT2Config.num_labels must be a positive integer, got {n!r}")
+        check_limit("num_labels", n)
         if n != len(self.id2label):
             self.id2label = {i: f"LABEL_{i}" for i in range(n)}
             self.label2id = {label: i for i, label in self.id2label.items()}
@@ -229,15 +260,11 @@ class GPT2Config:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "GPT2Config":
-        with open(path, encoding="utf-8") as f:
-            try:
-                d = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = read_json_file(path)
         try:
             return cls.from_dict(d)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(path, str(e)) from None
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

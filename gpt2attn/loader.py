@@ -18,9 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
+from .errors import CheckpointError, shorten
 from .formats import detect_format, weights_file
 from .formats.nanogpt import from_nanogpt
-from .formats.state_dict import BODY_PREFIXES, infer_config, normalize_keys, resolve_dtype
+from .formats.state_dict import BODY_PREFIXES, check_state_dict, infer_config, layer_indices, normalize_keys, resolve_dtype
 from .generation.config import load_generation_config
 from .hub import resolve
 from .layers import init_weights
@@ -49,7 +50,7 @@ def from_pretrained(
         nanogpt_config, state = from_nanogpt(src, "state dict")  # a training checkpoint, not a state dict
         config, where = config or nanogpt_config, "state dict"
     elif isinstance(src, dict):
-        state, where = src, "state dict"
+        state, where = check_state_dict(src, "state dict"), "state dict"
         config = config or infer_config(state)
     else:
         path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
@@ -71,6 +72,7 @@ def from_pretrained(
 
 def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str, copy: bool):
     """A `cls` on the meta device, then the checked tensors assigned into it."""
+    check_layers(config, state, where)  # before n_layer blocks are built
     with torch.device("meta"), no_random_init():
         model = cls(config)
     expected = model.state_dict()  # meta tensors: names and shapes only
@@ -82,6 +84,10 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
     new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
     check_state(state, expected, skip=skip | set(new_head), where=where)
     device = torch.device(device) if device is not None else None
+    if dtype is None:  # a checkpoint mixing float dtypes is cast to its token embedding's, so the model runs
+        stored = {t.dtype for t in state.values() if t.is_floating_point()}
+        wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+        dtype = wte.dtype if len(stored) > 1 and wte is not None else None
     if new_head:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         init_new_head(model, new_head, config, device, dtype or stored)
@@ -152,13 +158,25 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set
     unexpected = [k for k in state if k not in expected]
     problems = []
     if missing:
-        problems.append(f"missing keys: {', '.join(missing)}")
+        problems.append(f"missing keys: {shorten(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+        problems.append(f"unexpected keys: {shorten(unexpected)}")
     for name, tensor in state.items():
         if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
             problems.append(
                 f"shape mismatch for {name}: expected {tuple(expected[name].shape)}, found {tuple(tensor.shape)}"
             )
+        elif name in expected and not tensor.is_floating_point():
+            problems.append(f"{name} holds {str(tensor.dtype).removeprefix('torch.')} values, not floating point")
     if problems:
-        raise ValueError(f"{where}: checkpoint does not fit the model; " + "; ".join(problems))
+        raise CheckpointError(where, "checkpoint does not fit the model; " + shorten(problems, 8, 400, sep="; "))
+
+
+def check_layers(config: GPT2Config, state: dict[str, Tensor], where: str) -> None:
+    """The config's n_layer against the blocks the weights hold, before a model is built: a header
+    saying 100000 layers over a file of 2 is refused here, not after building 100000 blocks."""
+    held = layer_indices(state)
+    if held and held != set(range(config.n_layer)):
+        found = f"blocks {min(held)}..{max(held)} ({len(held)} of them)"
+        raise CheckpointError(where, f"checkpoint does not fit the model: the config has n_layer = {config.n_layer}, "
+                                     f"the weights hold {found}")

@@ -10,8 +10,9 @@ A TF "tensor bundle" is two kinds of files:
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
+import os
 import re
 from pathlib import Path
 
@@ -19,12 +20,14 @@ import numpy as np
 import torch
 
 from .config import GPT2Config
+from .errors import CheckpointError, read_json_file
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48
 # TF DataType enum -> numpy dtype (the ones a GPT-2 checkpoint can hold).
 TF_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 19: np.float16}
 TF_BFLOAT16 = 14
+MAX_SHARDS = 1024
 
 
 # --- crc32c (Castagnoli), vectorised with numpy ---------------------------------------------
@@ -93,6 +96,8 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     while True:
         if pos >= len(buf):
             raise ValueError("truncated varint")
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
         byte = buf[pos]
         value |= (byte & 0x7F) << shift
         pos += 1
@@ -114,7 +119,7 @@ def parse_proto(buf: bytes) -> dict[int, list]:
             value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
         elif wire == 2:
             n, pos = _varint(buf, pos)
-            value, pos = buf[pos : pos + n], pos + n
+            value, pos = bytes(buf[pos : pos + n]), pos + n
         elif wire == 5:
             value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
         else:
@@ -125,30 +130,53 @@ def parse_proto(buf: bytes) -> dict[int, list]:
     return fields
 
 
+def _number(fields: dict[int, list], n: int, default: int = 0) -> int:
+    """The last value of integer field n (protobuf's rule for a repeated scalar)."""
+    value = fields.get(n, [default])[-1]
+    if not isinstance(value, int):
+        raise ValueError(f"field {n} is a message, expected a number")
+    return value
+
+
+def _messages(fields: dict[int, list], n: int) -> list[bytes]:
+    values = fields.get(n, [])
+    if not all(isinstance(v, bytes) for v in values):
+        raise ValueError(f"field {n} is a number, expected a message")
+    return values
+
+
 def _block(table: bytes, handle: bytes, path: Path) -> bytes:
     """The contents of the block a BlockHandle (offset, size varints) points at, crc-checked."""
-    offset, pos = _varint(handle, 0)
-    size, _ = _varint(handle, pos)
+    try:
+        offset, pos = _varint(handle, 0)
+        size, _ = _varint(handle, pos)
+    except ValueError as e:
+        raise CheckpointError(path, f"corrupt: a block handle cannot be read ({e})") from None
     if offset + size + 5 > len(table):
-        raise ValueError(f"{path}: truncated: a block ends past the end of the file")
+        raise CheckpointError(path, "truncated: a block ends past the end of the file")
     contents, kind = table[offset : offset + size], table[offset + size]
     stored = int.from_bytes(table[offset + size + 1 : offset + size + 5], "little")
     if masked_crc32c(table[offset : offset + size + 1]) != stored:
-        raise ValueError(f"{path}: corrupt: block at byte {offset} fails its crc32c check")
+        raise CheckpointError(path, f"corrupt: block at byte {offset} fails its crc32c check")
     if kind != 0:
-        raise ValueError(f"{path}: compressed blocks (type {kind}) are not supported")
+        raise CheckpointError(path, f"compressed blocks (type {kind}) are not supported")
     return contents
 
 
-def _block_entries(block: bytes) -> list[tuple[bytes, bytes]]:
+def _block_entries(block: bytes, path: Path) -> list[tuple[bytes, bytes]]:
     """Key/value pairs of a block (keys are prefix-compressed against the previous key)."""
     n_restarts = int.from_bytes(block[-4:], "little")
     end = len(block) - 4 * (n_restarts + 1)
     entries, key, pos = [], b"", 0
     while pos < end:
-        shared, pos = _varint(block, pos)
-        unshared, pos = _varint(block, pos)
-        n_value, pos = _varint(block, pos)
+        try:
+            shared, pos = _varint(block, pos)
+            unshared, pos = _varint(block, pos)
+            n_value, pos = _varint(block, pos)
+        except ValueError as e:
+            raise CheckpointError(path, f"corrupt: entry {len(entries)} of a block cannot be read ({e})") from None
+        if shared > len(key) or pos + unshared + n_value > end:
+            raise CheckpointError(path, f"corrupt: entry {len(entries)} of a block runs past the block's end")
         key = key[:shared] + block[pos : pos + unshared]
         pos += unshared
         entries.append((key, block[pos : pos + n_value]))
@@ -159,12 +187,15 @@ def _block_entries(block: bytes) -> list[tuple[bytes, bytes]]:
 def read_sstable(path: Path) -> dict[bytes, bytes]:
     table = path.read_bytes()
     if len(table) < FOOTER_SIZE or int.from_bytes(table[-8:], "little") != TABLE_MAGIC:
-        raise ValueError(f"{path}: not a TF checkpoint index (no SSTable footer; truncated?)")
+        raise CheckpointError(path, "not a TF checkpoint index (no SSTable footer; truncated?)")
     footer = table[-FOOTER_SIZE:]
-    _, pos = _varint(footer, 0)  # skip the metaindex handle
-    _, pos = _varint(footer, pos)
-    index = _block_entries(_block(table, footer[pos:], path))
-    return {key: value for _, handle in index for key, value in _block_entries(_block(table, handle, path))}
+    try:
+        _, pos = _varint(footer, 0)  # skip the metaindex handle
+        _, pos = _varint(footer, pos)
+    except ValueError as e:
+        raise CheckpointError(path, f"corrupt: the footer cannot be read ({e})") from None
+    index = _block_entries(_block(table, footer[pos:], path), path)
+    return {key: value for _, handle in index for key, value in _block_entries(_block(table, handle, path), path)}
 
 
 # --- the bundle -----------------------------------------------------------------------------
@@ -175,35 +206,52 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
     memory map of the data shards, each checked against its crc32c."""
     index_path = Path(f"{prefix}.index")
     entries = read_sstable(index_path)
-    header = parse_proto(entries.pop(b"", b""))
-    n_shards = header.get(1, [1])[0]
-    if header.get(2, [0])[0] != 0:
-        raise ValueError(f"{index_path}: big-endian checkpoints are not supported")
+    try:
+        header = parse_proto(entries.pop(b"", b""))
+        n_shards, big_endian = _number(header, 1, 1), _number(header, 2)
+    except ValueError as e:
+        raise CheckpointError(index_path, f"corrupt: the bundle header cannot be read ({e})") from None
+    if big_endian != 0:
+        raise CheckpointError(index_path, "big-endian checkpoints are not supported")
+    if not 1 <= n_shards <= MAX_SHARDS:
+        raise CheckpointError(index_path, f"the bundle header says {n_shards} data shards (at most {MAX_SHARDS} are read)")
     shards: dict[int, mmap.mmap] = {}
     tensors = {}
     for key, value in entries.items():
-        name = key.decode()
-        entry = parse_proto(value)
-        dtype_code = entry.get(1, [0])[0]
+        try:
+            name = key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(index_path, f"a tensor name is not UTF-8: {bytes(key)[:80]!r}") from None
+        try:
+            entry = parse_proto(value)
+            dtype_code = _number(entry, 1)
+            shape_proto = parse_proto(_messages(entry, 2)[-1]) if 2 in entry else {}
+            shape = [_number(parse_proto(d), 1) for d in _messages(shape_proto, 2)]
+            shard_id, offset, size = (_number(entry, n) for n in (3, 4, 5))
+            crc = _number(entry, 6) if 6 in entry else None
+        except ValueError as e:
+            raise CheckpointError(index_path, f"corrupt: the entry of tensor {name} cannot be read ({e})") from None
         if dtype_code not in TF_DTYPES:
-            raise ValueError(f"{index_path}: tensor {name} has unsupported TF dtype {dtype_code}")
-        dims = parse_proto(entry[2][0]).get(2, []) if 2 in entry else []
-        shape = [parse_proto(d).get(1, [0])[0] for d in dims]
-        shard_id, offset, size = (entry.get(n, [0])[0] for n in (3, 4, 5))
+            raise CheckpointError(index_path, f"tensor {name} has unsupported TF dtype {dtype_code}")
+        itemsize = np.dtype(TF_DTYPES[dtype_code]).itemsize
+        if len(shape) > 4 or any(not 0 <= n <= 2**40 for n in shape) or math.prod(shape) * itemsize != size:
+            raise CheckpointError(index_path, f"tensor {name}: shape {shape} of {TF_DTYPES[dtype_code].__name__} "
+                                              f"does not match its size of {size} bytes")
+        if shard_id >= n_shards:
+            raise CheckpointError(index_path, f"tensor {name} is in data shard {shard_id}, the bundle has {n_shards}")
         shard_path = Path(f"{prefix}.data-{shard_id:05d}-of-{n_shards:05d}")
         if shard_id not in shards:
             if not shard_path.exists():
                 raise FileNotFoundError(f"{index_path} needs data shard {shard_path.name}, which is missing")
             with open(shard_path, "rb") as f:
-                shards[shard_id] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                shards[shard_id] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.fstat(f.fileno()).st_size else b""
         data = shards[shard_id]
         if offset + size > len(data):
-            raise ValueError(
-                f"{shard_path}: truncated: tensor {name} ends at byte {offset + size}, the file has {len(data)}"
-            )
+            raise CheckpointError(shard_path, f"truncated: tensor {name} ends at byte {offset + size}, "
+                                              f"the file has {len(data)}")
         raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
-        if 6 in entry and masked_crc32c(raw) != entry[6][0]:
-            raise ValueError(f"{shard_path}: corrupt: tensor {name} fails its crc32c check")
+        if crc is not None and masked_crc32c(raw) != crc:
+            raise CheckpointError(shard_path, f"corrupt: tensor {name} fails its crc32c check")
         tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
     return tensors
 
@@ -223,15 +271,12 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     hparams_path = folder / "hparams.json"
     if not hparams_path.exists():
         raise FileNotFoundError(f"{folder}: no hparams.json beside the TF checkpoint")
-    try:
-        hp = json.loads(hparams_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{hparams_path}: not valid JSON ({e})") from None
+    hp = read_json_file(hparams_path)
     if not isinstance(hp, dict):
-        raise ValueError(f"{hparams_path}: expected a JSON object of hyperparameters, found a {type(hp).__name__}")
+        raise CheckpointError(hparams_path, f"expected a JSON object of hyperparameters, found a {type(hp).__name__}")
     missing = [key for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer") if key not in hp]
     if missing:
-        raise ValueError(f"{hparams_path}: missing {', '.join(map(repr, missing))}")
+        raise CheckpointError(hparams_path, f"missing {', '.join(map(repr, missing))}")
     try:
         config = GPT2Config(
             vocab_size=hp["n_vocab"],
@@ -241,7 +286,7 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
             n_layer=hp["n_layer"],
         )
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{hparams_path}: {e}") from None
+        raise CheckpointError(hparams_path, str(e)) from None
     config.bos_token_id = config.eos_token_id = config.vocab_size - 1  # <|endoftext|> is the last id
     prefix = "model.ckpt"
     if (folder / "checkpoint").exists():  # 'model_checkpoint_path: "model.ckpt"'
@@ -250,7 +295,7 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     state = {}
     for name, array in read_bundle(folder / prefix).items():
         tensor = torch.from_numpy(array)
-        if name.endswith("/w") and tensor.dim() == 3:  # conv weights [1, nx, nf] -> [nx, nf]
+        if name.endswith("/w") and tensor.dim() == 3 and len(tensor) == 1:  # conv weights [1, nx, nf] -> [nx, nf]
             tensor = tensor[0]
         state[gpt2_name(name)] = tensor
     return config, state

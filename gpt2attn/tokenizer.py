@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from .errors import CheckpointError, read_json_file
 from .hub import resolve
 
 EOS_TOKEN = "<|endoftext|>"
@@ -167,34 +168,52 @@ def _with_character_errors(tokenizer: Tokenizer) -> Tokenizer | CharTokenizer:
     return tokenizer
 
 
+PROBE = "Hello, world! <|endoftext|> 1234 café 中文 🙂\n"  # encoded once at load: a tokenizer that loads works
+
+
+def checked(tokenizer: Tokenizer, file: str | Path) -> Tokenizer:
+    """tokenizer, after encoding and decoding PROBE with it: tokenizers can build a tokenizer that
+    panics (pyo3's PanicException, a BaseException) on its first encode, e.g. one whose
+    post-processor names a token the vocabulary lacks. Plain exceptions are the text's fault
+    (a character a vocabulary lacks) and are left to encode()."""
+    try:
+        tokenizer.decode(tokenizer.encode(PROBE).ids)
+    except Exception:
+        pass
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit
+        raise CheckpointError(file, f"the tokenizer it holds fails on its first text (a panic in tokenizers: {e})") from None
+    return tokenizer
+
+
 def _tokenizer_json(path: Path) -> Tokenizer | CharTokenizer:
     try:
-        return _with_character_errors(Tokenizer.from_file(str(path)))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception for every problem
-        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
+        raise CheckpointError(path, f"not a readable tokenizer.json ({e})") from None
+    return _with_character_errors(checked(tokenizer, path))
 
 
 def _byte_level_bpe(vocab_file: Path, merges_file: Path) -> Tokenizer:
-    try:
-        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{vocab_file}: not a readable vocabulary: not JSON ({e})") from None
+    vocab = read_json_file(vocab_file, "not a readable vocabulary: not JSON")
     if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
-        raise ValueError(f"{vocab_file}: not a readable vocabulary: expected a JSON object of token -> id")
+        raise CheckpointError(vocab_file, "not a readable vocabulary: expected a JSON object of token -> id")
     try:
         bpe = models.BPE.from_file(str(vocab_file), str(merges_file))
     except Exception as e:  # the vocabulary was read above, so the merges are at fault
-        raise ValueError(f"{merges_file}: not readable merges for {vocab_file.name} ({e})") from None
-    return _byte_level(bpe, [EOS_TOKEN])
+        raise CheckpointError(merges_file, f"not readable merges for {vocab_file.name} ({e})") from None
+    return checked(_byte_level(bpe, [EOS_TOKEN]), merges_file)
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: list[str] = (EOS_TOKEN,)) -> Tokenizer:
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], special: list[str] = (EOS_TOKEN,),
+                   file: str | Path = "tokenizer") -> Tokenizer:
     """GPT-2's byte-level BPE from its vocabulary (token -> id) and merges, as a GGUF file embeds them."""
     try:
         bpe = models.BPE(vocab, merges)
     except Exception as e:  # tokenizers raises plain Exception
-        raise ValueError(f"not a readable BPE vocabulary and merges ({e})") from None
-    return _byte_level(bpe, special)
+        raise CheckpointError(file, f"not a readable BPE vocabulary and merges ({e})") from None
+    return checked(_byte_level(bpe, special), file)
 
 
 def _byte_level(bpe: models.BPE, special: list[str]) -> Tokenizer:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2attn import GPT2LMHeadModel
+from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import detect_format, hf, llmc, save
 from helpers import mapped_ranges, randomize, tiny_config
 
@@ -111,7 +111,7 @@ def test_bad_files_get_one_error_naming_file_and_field(tmp_path, edit, fragment)
     path = spoil(tmp_path, edit)
     with pytest.raises(ValueError) as err:
         GPT2LMHeadModel.from_pretrained(path)
-    assert type(err.value) is ValueError
+    assert type(err.value) is CheckpointError  # ours (a ValueError), not one from deep inside
     assert str(path) in str(err.value) and fragment in str(err.value)
 
 

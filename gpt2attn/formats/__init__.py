@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError
 from . import gguf, hf, llmc, nanogpt, openai_tf
 
 # detect() is asked in this order: llm.c's .bin (its magic) before hf, which takes any other .bin.
@@ -44,9 +45,15 @@ def detect_format(path: str | os.PathLike):
     if path.is_dir():
         raise FileNotFoundError(f"{path}: no model found (expected config.json and HF weights, or OpenAI's "
                                 f"hparams.json and {openai_tf.TF_INDEX})")
+    owner = next((fmt for fmt in FORMATS if path.suffix in fmt.SUFFIXES), None)
+    if owner is not None:
+        with open(path, "rb") as f:
+            start = f.read(8)
+        raise CheckpointError(path, f"not a {owner.NAME} file, despite its suffix: it starts with {start!r} "
+                                    f"(damaged or truncated?)")
     readable = sorted({*hf.FILE_SUFFIXES, *(s for fmt in FORMATS for s in fmt.SUFFIXES if s)})
-    raise ValueError(f"{path}: not a model file gpt2attn reads (suffix {path.suffix!r}; it reads "
-                     f"{', '.join(readable)} files and model folders)")
+    raise CheckpointError(path, f"not a model file gpt2attn reads (suffix {path.suffix!r}; it reads "
+                                f"{', '.join(readable)} files and model folders)")
 
 
 def format_for_suffix(path: str | os.PathLike):

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import GPT2Config
+from ..config import LIMITS, GPT2Config, is_int
+from ..errors import CheckpointError
 from ..files import write_atomic
 from ..tokenizer import EOS_TOKEN, byte_level_bpe
-from .state_dict import normalize_keys
+from .state_dict import MAX_DIM_SIZE, normalize_keys
 
 NAME = "gguf"
 SUFFIXES = (".gguf",)
@@ -84,19 +85,27 @@ class GGUFFile:
     VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
     STRING, ARRAY = 8, 9
 
+    MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+    MAX_NESTING = 2  # arrays of arrays at most (GPT-2's metadata has arrays of scalars and strings)
+
     def __init__(self, path: Path):
         self.path = path
         with open(path, "rb") as f:
             self.buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else b""
         head = bytes(self.buffer[:8])
         if head[:4] != MAGIC:
-            raise ValueError(f"{path}: not a GGUF file: magic is {head[:4]!r}, expected {MAGIC!r}")
+            raise CheckpointError(path, f"not a GGUF file: magic is {head[:4]!r}, expected {MAGIC!r}")
         version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
         if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version}: gpt2attn reads versions 2 and 3")
+            raise CheckpointError(path, f"unsupported GGUF version {version}: gpt2attn reads versions 2 and 3")
         self.pos, self.where = 8, "the header"
         try:
             n_tensors, n_fields = self.take("Q"), self.take("Q")
+            # Each metadata entry takes at least 13 bytes, each tensor entry 28: counts the file
+            # cannot hold are refused before any loop runs over them.
+            if 13 * n_fields + 28 * n_tensors > len(self.buffer) - self.pos:
+                raise struct.error(f"{n_tensors} tensors and {n_fields} metadata entries do not fit in "
+                                   f"{len(self.buffer)} bytes")
             self.fields: dict[str, Any] = {}
             for _ in range(n_fields):
                 self.where = "a metadata key"
@@ -108,22 +117,33 @@ class GGUFFile:
                 self.where = "a tensor name"
                 name = self.string()
                 self.where = f"tensor {name}'s header"
-                ne = tuple(self.take("Q") for _ in range(self.take("I")))
+                n_dims = self.take("I")
+                if not 1 <= n_dims <= self.MAX_DIMS:
+                    raise struct.error(f"n_dims is {n_dims}, must be 1 to {self.MAX_DIMS}")
+                ne = tuple(self.take("Q") for _ in range(n_dims))
                 infos.append((name, self.take("I"), ne, self.take("Q")))
-        except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-            raise ValueError(f"{path}: truncated or damaged GGUF file: cannot read {self.where} at byte "
-                             f"{self.pos} ({e})") from None
-        alignment = int(self.fields.get("general.alignment", 32))
+        except (struct.error, UnicodeDecodeError) as e:
+            raise CheckpointError(path, f"truncated or damaged GGUF file: cannot read {self.where} at byte "
+                                        f"{self.pos} ({e})") from None
+        alignment = self.field("general.alignment", 32)
+        if not is_int(alignment) or alignment < 8 or alignment % 8 or alignment > 2**16:
+            raise CheckpointError(path, f"GGUF metadata general.alignment is {alignment!r}: must be a multiple of 8 "
+                                        f"up to {2**16}")
         data_start = -(-self.pos // alignment) * alignment
         self.tensors = {}
         for name, type_id, ne, offset in infos:
-            kind = GGML_TYPES.get(type_id, f"type {type_id}")
-            block, size = GGML_BLOCKS.get(kind, (1, 0))
-            count = math.prod(ne)
-            start, length = data_start + offset, count // block * size
-            if kind in GGML_BLOCKS and (start + length > len(self.buffer) or ne[0] % block):
-                raise ValueError(f"{path}: truncated or damaged GGUF file: tensor {name} ({kind}, {list(ne)}) "
-                                 f"needs bytes {start}..{start + length}, the file has {len(self.buffer)}")
+            kind = GGML_TYPES.get(type_id)
+            if kind is None:
+                raise CheckpointError(path, f"tensor {name} has unknown GGML type id {type_id}")
+            block, size = GGML_BLOCKS[kind]
+            if any(not 1 <= n <= MAX_DIM_SIZE for n in ne) or ne[0] % block:
+                raise CheckpointError(path, f"tensor {name} ({kind}) has shape {list(ne)}: each size must be 1 to "
+                                            f"{MAX_DIM_SIZE}, the first a multiple of {kind}'s block of {block}")
+            start, length = data_start + offset, math.prod(ne) // block * size
+            if offset % alignment or start + length > len(self.buffer):
+                raise CheckpointError(path, f"truncated or damaged GGUF file: tensor {name} ({kind}, {list(ne)}) "
+                                            f"needs bytes {start}..{start + length} (aligned to {alignment}), the file "
+                                            f"has {len(self.buffer)}")
             self.tensors[name] = (kind, ne, start, length)
 
     def take(self, fmt: str) -> Any:
@@ -139,11 +159,13 @@ class GGUFFile:
         self.pos += n
         return text
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind == self.STRING:
             return self.string()
         if kind == self.ARRAY:
             item, n = self.take("I"), self.take("Q")
+            if depth >= self.MAX_NESTING:
+                raise struct.error(f"arrays nested deeper than {self.MAX_NESTING}")
             if item in self.VALUE_FORMATS and item != 7:  # numbers: one numpy read
                 dtype = np.dtype("<" + self.VALUE_FORMATS[item])
                 if self.pos + n * dtype.itemsize > len(self.buffer):
@@ -151,7 +173,10 @@ class GGUFFile:
                 values = np.frombuffer(self.buffer, dtype=dtype, count=n, offset=self.pos).tolist()
                 self.pos += n * dtype.itemsize
                 return values
-            return [self.value(item) for _ in range(n)]
+            smallest = {7: 1, self.STRING: 8, self.ARRAY: 12}.get(item, 1)  # bytes per item, at least
+            if self.pos + n * smallest > len(self.buffer):
+                raise struct.error(f"an array of {n} values runs past the end")
+            return [self.value(item, depth + 1) for _ in range(n)]
         if kind not in self.VALUE_FORMATS:
             raise struct.error(f"unknown value type {kind}")
         return self.take(self.VALUE_FORMATS[kind])
@@ -159,9 +184,32 @@ class GGUFFile:
     def field(self, key: str, default: Any = ...) -> Any:
         if key not in self.fields:
             if default is ...:
-                raise ValueError(f"{self.path}: GGUF metadata has no {key}")
+                raise CheckpointError(self.path, f"GGUF metadata has no {key}")
             return default
         return self.fields[key]
+
+    def integer(self, key: str, default: Any = ..., limit: str | None = None) -> int:
+        """An integer field, >= 1 and within GPT2Config.LIMITS[limit] when limit names a size
+        (else >= 0: a token id)."""
+        value = self.field(key, default)
+        low, high = (1, LIMITS[limit]) if limit else (0, 2**63 - 1)
+        if not is_int(value) or not low <= value <= high:
+            why = f" (gpt2attn's limit for {limit}; see docs/hostile-files.md)" if limit else ""
+            raise CheckpointError(self.path, f"GGUF metadata {key} is {value!r:.80}: must be an integer "
+                                             f"from {low} to {high}{why}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.field(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(self.path, f"GGUF metadata {key} is {value!r:.80}: must be a positive finite number")
+        return float(value)
+
+    def strings(self, key: str, default: Any = ...) -> list[str]:
+        value = self.field(key, default)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise CheckpointError(self.path, f"GGUF metadata {key} must be an array of strings, found {value!r:.80}")
+        return value
 
     def same(self, a: str, b: str) -> bool:
         """Whether two tensors are stored alike: type, shape and bytes."""
@@ -174,8 +222,8 @@ class GGUFFile:
         and BF16 widened, quantized types dequantized by the gguf package's reference code."""
         kind, ne, start, length = self.tensors[name]
         if kind not in READ_TYPES:
-            raise ValueError(f"{self.path}: tensor {name} has GGML type {kind}, which gpt2attn does not read "
-                             f"(it reads {', '.join(READ_TYPES)})")
+            raise CheckpointError(self.path, f"tensor {name} has GGML type {kind}, which gpt2attn does not read "
+                                             f"(it reads {', '.join(READ_TYPES)})")
         shape = tuple(reversed(ne))
         raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=length, offset=start)
         if kind == "F32":
@@ -192,31 +240,39 @@ class GGUFFile:
 def read_config(file: GGUFFile) -> GPT2Config:
     arch = file.field("general.architecture")
     if arch != "gpt2":
-        raise ValueError(f"{file.path}: general.architecture is {arch!r}; gpt2attn reads GPT-2 ('gpt2') GGUF files")
+        raise CheckpointError(file.path, f"general.architecture is {arch!r:.80}; gpt2attn reads GPT-2 ('gpt2') GGUF files")
     if "token_embd.weight" not in file.tensors:
-        raise ValueError(f"{file.path}: GGUF has no token_embd.weight tensor")
-    n_embd = int(file.field("gpt2.embedding_length"))
-    ff = int(file.field("gpt2.feed_forward_length", 4 * n_embd))
-    return GPT2Config(
-        vocab_size=int(file.tensors["token_embd.weight"][1][1]),  # ne = (n_embd, vocab)
-        n_positions=int(file.field("gpt2.context_length")),
-        n_embd=n_embd,
-        n_layer=int(file.field("gpt2.block_count")),
-        n_head=int(file.field("gpt2.attention.head_count")),
-        n_inner=None if ff == 4 * n_embd else ff,
-        layer_norm_epsilon=float(file.field("gpt2.attention.layer_norm_epsilon", 1e-5)),
-        bos_token_id=int(file.field("tokenizer.ggml.bos_token_id", 50256)),
-        eos_token_id=int(file.field("tokenizer.ggml.eos_token_id", 50256)),
-        activation_function="gelu_new",
-    )
+        raise CheckpointError(file.path, "GGUF has no token_embd.weight tensor")
+    embedding = file.tensors["token_embd.weight"][1]
+    if len(embedding) != 2:
+        raise CheckpointError(file.path, f"tensor token_embd.weight has shape {list(embedding)}, not (n_embd, vocab)")
+    n_embd = file.integer("gpt2.embedding_length", limit="n_embd")
+    ff = file.integer("gpt2.feed_forward_length", 4 * n_embd, limit="n_inner")
+    try:
+        return GPT2Config(
+            vocab_size=embedding[1],  # ne = (n_embd, vocab)
+            n_positions=file.integer("gpt2.context_length", limit="n_positions"),
+            n_embd=n_embd,
+            n_layer=file.integer("gpt2.block_count", limit="n_layer"),
+            n_head=file.integer("gpt2.attention.head_count", limit="n_head"),
+            n_inner=None if ff == 4 * n_embd else ff,
+            layer_norm_epsilon=file.number("gpt2.attention.layer_norm_epsilon", 1e-5),
+            bos_token_id=file.integer("tokenizer.ggml.bos_token_id", 50256),
+            eos_token_id=file.integer("tokenizer.ggml.eos_token_id", 50256),
+            activation_function="gelu_new",
+        )
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(file.path, f"the config its gpt2.* metadata gives: {e}") from None
 
 
 def our_name(name: str) -> str | None:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    match = re.fullmatch(r"blk\.(\d{1,9})\.(\w+)\.(weight|bias)", name)
     if match and match.group(2) in BLOCK_NAMES:
-        return f"transformer.h.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+        return f"transformer.h.{int(match.group(1))}.{BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -227,10 +283,13 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
     config = read_config(file)
     tied = "output.weight" not in file.tensors or file.same("output.weight", "token_embd.weight")
     state = {}
-    for name in file.tensors:
+    for name, (_, ne, _, _) in file.tensors.items():
         ours = our_name(name)
         if ours is None:
-            raise ValueError(f"{path}: tensor {name} is not one of GPT-2's")
+            raise CheckpointError(path, f"tensor {name} is not one of GPT-2's")
+        rank = 2 if name.endswith(".weight") and not name.endswith("norm.weight") else 1
+        if len(ne) != rank:
+            raise CheckpointError(path, f"tensor {name} has {len(ne)} dimensions ({list(ne)}), GPT-2's has {rank}")
         if name == "output.weight" and tied:
             continue  # llama.cpp's converter writes the tied head twice
         data = file.tensor(name)
@@ -245,12 +304,23 @@ def read_tokenizer(file: GGUFFile):
         return None
     model = file.field("tokenizer.ggml.model", "gpt2")
     if model != "gpt2":
-        raise ValueError(f"{file.path}: tokenizer.ggml.model is {model!r}; gpt2attn reads GPT-2's BPE ('gpt2')")
-    tokens = file.field("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in file.field("tokenizer.ggml.merges", [])]
+        raise CheckpointError(file.path, f"tokenizer.ggml.model is {model!r:.80}; gpt2attn reads GPT-2's BPE ('gpt2')")
+    tokens = file.strings("tokenizer.ggml.tokens")
+    merges = file.strings("tokenizer.ggml.merges", [])
     types = file.field("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(tokens) > LIMITS["vocab_size"]:
+        raise CheckpointError(file.path, f"tokenizer.ggml.tokens has {len(tokens)} tokens, above gpt2attn's limit "
+                                         f"of {LIMITS['vocab_size']}")
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(is_int(t) for t in types):
+        raise CheckpointError(file.path, f"tokenizer.ggml.token_type must be an array of {len(tokens)} integers, "
+                                         f"one per token, found {types!r:.80}")
+    bad = next((i for i, m in enumerate(merges) if " " not in m), None)
+    if bad is not None:
+        raise CheckpointError(file.path, f"tokenizer.ggml.merges[{bad}] is {merges[bad]!r:.80}, not two tokens "
+                                         f"separated by a space")
     special = [t for t, kind in zip(tokens, types) if kind == 3]  # CONTROL
-    return byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, special)
+    merges = [tuple(m.split(" ", 1)) for m in merges]
+    return byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, special, file=file.path)
 
 
 def tokenizer_of(path: Path):

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor
 
 from ..config import CONFIG_NAME, GPT2Config, is_int
+from ..errors import CheckpointError, read_json, shorten
 from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
+from ..layers import ACTIVATIONS
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
-from .state_dict import infer_config, read_bin
+from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, read_bin
 
 NAME = "hf"
 SUFFIXES = ("",)  # a folder: convert writes one for any destination without another format's suffix
@@ -52,7 +54,7 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
     """The config (config.json, or one inferred from the shapes of a lone weights file) and the
     state dict. Tokenizer files stay where they are, for gpt2attn.tokenizer."""
     state, config_file = read_weights(path)
-    config = read_config(config_file) if config_file is not None else infer_config(state)
+    config = read_config(config_file) if config_file is not None else infer_config(state, weights_file(path))
     return config, state, None
 
 
@@ -64,10 +66,13 @@ def weights_file(path: Path) -> Path:
 
 
 def read_config(path: Path) -> GPT2Config:
-    try:
-        return GPT2Config.from_json_file(path)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    """config.json, checked (errors are CheckpointErrors naming the file), with an activation the
+    model knows, so that building the model cannot fail on it."""
+    config = GPT2Config.from_json_file(path)
+    if config.activation_function not in ACTIVATIONS:
+        raise CheckpointError(path, f"activation_function is {config.activation_function!r:.80}; gpt2attn knows "
+                                    f"{', '.join(sorted(ACTIVATIONS))}")
+    return config
 
 
 def read_weights(path: Path) -> tuple[dict[str, Tensor], Path | None]:
@@ -94,12 +99,12 @@ def read_weights(path: Path) -> tuple[dict[str, Tensor], Path | None]:
         )
     state: dict[str, Tensor] = {}
     for file in files:
-        shard = read_safetensors(file) if file.suffix == ".safetensors" else read_bin(file)
+        shard = read_safetensors(file) if file.suffix == ".safetensors" else check_state_dict(read_bin(file), file)
         if weight_map is not None:
             check_shard(where, file.name, shard, weight_map)
         state.update(shard)
     if weight_map is not None and (unlisted := [key for key in weight_map if key not in state]):
-        raise ValueError(f"{where}: lists tensors that no shard holds: {', '.join(unlisted)}")
+        raise CheckpointError(where, f"lists tensors that no shard holds: {shorten(unlisted)}")
     return state, config_file
 
 
@@ -107,20 +112,17 @@ def shard_files(index_path: Path) -> tuple[list[Path], dict[str, str], str]:
     """The shard files, weight_map (tensor name -> file name) and name of a shard index, checked:
     weight_map is an object of file names in the index's own folder (names leading elsewhere are
     refused), and every file exists."""
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index_path}: not a valid shard index: not JSON ({e})") from None
+    index = read_json(index_path.read_bytes(), index_path, "not a valid shard index: not JSON")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         found = type(index).__name__ if not isinstance(index, dict) else f"a weight_map of type {type(weight_map).__name__}"
-        raise ValueError(f"{index_path}: not a valid shard index: expected an object with a 'weight_map' object "
-                         f"(tensor name -> file name), found {found}")
+        raise CheckpointError(index_path, f"not a valid shard index: expected an object with a 'weight_map' object "
+                                          f"(tensor name -> file name), found {found}")
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{index_path}: weight_map[{key!r}] is {name!r}, not a file name")
-        if name != os.path.basename(name) or name in (".", "..") or "\\" in name:
-            raise ValueError(f"{index_path}: refused: shard {name!r} is a path, not a file name in the index's folder")
+            raise CheckpointError(index_path, f"weight_map[{key!r}] is {shorten([repr(name)])}, not a file name")
+        if name != os.path.basename(name) or name in (".", "..") or "\\" in name or "\0" in name:
+            raise CheckpointError(index_path, f"refused: shard {name!r} is a path, not a file name in the index's folder")
     files = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
     for file in files:
         if not file.is_file():
@@ -132,7 +134,7 @@ def check_shard(where: str, name: str, shard: dict[str, Tensor], weight_map: dic
     """A shard holds exactly the tensors the index places in it (no shard of another save)."""
     stray = [key for key in shard if weight_map.get(key) != name]
     if stray:
-        raise ValueError(f"{where}: shard {name} holds tensors the index does not place there: {', '.join(stray)}")
+        raise CheckpointError(where, f"shard {name} holds tensors the index does not place there: {shorten(stray)}")
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -141,14 +143,11 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes)")
+            raise CheckpointError(path, f"truncated safetensors file ({size} bytes)")
         header_len = int.from_bytes(f.read(8), "little")
         if header_len > size - 8:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (header of {header_len} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+            raise CheckpointError(path, f"corrupt or truncated safetensors file (header of {header_len} bytes)")
+        header = read_json(f.read(header_len), path, "corrupt safetensors header")
         data_start = 8 + header_len
         entries = check_safetensors_header(path, header, size - data_start)
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > data_start else b""
@@ -167,26 +166,29 @@ def check_safetensors_header(path: Path, header: Any, data_size: int) -> list[tu
     object; `__metadata__` an object of strings; a known dtype; a shape of non-negative ints;
     data_offsets a pair of ints whose span is the shape's size; tensors that tile the data region
     exactly, in order, without gaps or overlaps."""
-    def bad(message: str) -> ValueError:
-        return ValueError(f"{path}: corrupt safetensors header: {message}")
+    def bad(message: str) -> CheckpointError:
+        return CheckpointError(path, f"corrupt safetensors header: {message}")
 
     if not isinstance(header, dict):
         raise bad(f"a JSON {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad(f"__metadata__ must be an object of strings, found {metadata!r}")
+        raise bad(f"__metadata__ must be an object of strings, found {shorten([repr(metadata)])}")
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict):
-            raise bad(f"tensor {name}: {info!r} is not an object")
-        dtype = SAFE_DTYPES.get(info.get("dtype"))
+            raise bad(f"tensor {name}: {shorten([repr(info)])} is not an object")
+        kind = info.get("dtype")
+        dtype = SAFE_DTYPES.get(kind) if isinstance(kind, str) else None
         if dtype is None:
-            raise bad(f"tensor {name} has unsupported dtype {info.get('dtype')!r}")
+            raise bad(f"tensor {name} has unsupported dtype {shorten([repr(kind)])}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
-            raise bad(f"tensor {name}: shape {shape!r} is not a list of non-negative integers")
+            raise bad(f"tensor {name}: shape {shorten([repr(shape)])} is not a list of non-negative integers")
+        if len(shape) > MAX_DIMS or any(n > MAX_DIM_SIZE for n in shape):
+            raise bad(f"tensor {name}: shape {shape} has more than {MAX_DIMS} dimensions or one above {MAX_DIM_SIZE}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) for n in offsets):
-            raise bad(f"tensor {name}: data_offsets {offsets!r} is not a pair of integers")
+            raise bad(f"tensor {name}: data_offsets {shorten([repr(offsets)])} is not a pair of integers")
         begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 <= begin <= end or end - begin != nbytes:
@@ -200,7 +202,7 @@ def check_safetensors_header(path: Path, header: Any, data_size: int) -> list[tu
             raise bad(f"tensor {name} starts at byte {begin} of the data and {kind}")
         covered = end
     if covered > data_size:
-        raise ValueError(f"{path}: truncated: the tensors need {covered} bytes of data, the file has {data_size}")
+        raise CheckpointError(path, f"truncated: the tensors need {covered} bytes of data, the file has {data_size}")
     if covered < data_size:
         raise bad(f"the tensors cover {covered} bytes of data, the file has {data_size}")
     return entries

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import GPT2Config
+from ..config import LIMITS, GPT2Config
+from ..errors import CheckpointError
 from ..files import write_atomic
 from .state_dict import DTYPE_NAMES, normalize_keys
 
@@ -34,6 +35,9 @@ HEADER_BYTES = HEADER_INTS * 4
 VERSIONS = {3: torch.float32, 5: torch.bfloat16}
 VERSION_OF = {dtype: version for version, dtype in VERSIONS.items()}
 SIZE_FIELDS = ("maxT", "V", "L", "H", "C", "Vp")  # header[2..7]
+# Each size's largest value: GPT2Config's limit of the field it becomes (Vp: V's, rounded up).
+SIZE_LIMITS = {"maxT": LIMITS["n_positions"], "V": LIMITS["vocab_size"], "L": LIMITS["n_layer"],
+               "H": LIMITS["n_head"], "C": LIMITS["n_embd"], "Vp": LIMITS["vocab_size"] + 128}
 VOCAB_MULTIPLE = 128  # llm.c's pad_vocab rounds V up to a multiple of this
 # The per-layer tensors in llm.c's order (each for all L layers before the next).
 LAYER_TENSORS = (
@@ -78,32 +82,41 @@ def read_header(path: Path) -> tuple[torch.dtype, dict[str, int]]:
     the sizes say."""
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise ValueError(f"{path}: truncated llm.c model file: {size} bytes, the header alone is {HEADER_BYTES}")
+        raise CheckpointError(path, f"truncated llm.c model file: {size} bytes, the header alone is {HEADER_BYTES}")
     with open(path, "rb") as f:
         header = [int.from_bytes(f.read(4), "little", signed=True) for _ in range(8)]
     if header[0] != MAGIC:
-        raise ValueError(f"{path}: not an llm.c model file: magic (header[0]) is {header[0]}, expected {MAGIC}")
+        raise CheckpointError(path, f"not an llm.c model file: magic (header[0]) is {header[0]}, expected {MAGIC}")
     if header[1] not in VERSIONS:
-        raise ValueError(f"{path}: unsupported llm.c version (header[1]) {header[1]}: "
-                         f"gpt2attn reads 3 (fp32) and 5 (bf16)")
+        raise CheckpointError(path, f"unsupported llm.c version (header[1]) {header[1]}: "
+                                    f"gpt2attn reads 3 (fp32) and 5 (bf16)")
     sizes = dict(zip(SIZE_FIELDS, header[2:8]))
     for i, (field, value) in enumerate(sizes.items(), start=2):
         if value <= 0:
-            raise ValueError(f"{path}: llm.c header field {field} (header[{i}]) is {value}, must be positive")
+            raise CheckpointError(path, f"llm.c header field {field} (header[{i}]) is {value}, must be positive")
+        if value > SIZE_LIMITS[field]:
+            raise CheckpointError(path, f"llm.c header field {field} (header[{i}]) is {value}, above gpt2attn's "
+                                        f"limit of {SIZE_LIMITS[field]} (see docs/hostile-files.md)")
     if sizes["C"] % sizes["H"]:
-        raise ValueError(f"{path}: llm.c header fields C (header[6]) = {sizes['C']} and H (header[5]) = {sizes['H']}: "
-                         f"C must be a multiple of H")
+        raise CheckpointError(path, f"llm.c header fields C (header[6]) = {sizes['C']} and H (header[5]) = "
+                                    f"{sizes['H']}: C must be a multiple of H")
     if sizes["V"] > sizes["Vp"]:
-        raise ValueError(f"{path}: llm.c header field V (header[3]) = {sizes['V']} is larger than the padded "
-                         f"vocabulary Vp (header[7]) = {sizes['Vp']}")
+        raise CheckpointError(path, f"llm.c header field V (header[3]) = {sizes['V']} is larger than the padded "
+                                    f"vocabulary Vp (header[7]) = {sizes['Vp']}")
     dtype = VERSIONS[header[1]]
-    needed = HEADER_BYTES + sum(math.prod(shape) for _, shape in layout(**sizes)) * dtype.itemsize
+    needed = HEADER_BYTES + parameter_count(**sizes) * dtype.itemsize
     if size != needed:
         described = ", ".join(f"{k}={v}" for k, v in sizes.items())
         problem = "truncated: " if size < needed else ""
-        raise ValueError(f"{path}: {problem}the llm.c header's sizes ({described}, version {header[1]}) need "
-                         f"{needed} bytes, the file has {size}")
+        raise CheckpointError(path, f"{problem}the llm.c header's sizes ({described}, version {header[1]}) need "
+                                    f"{needed} bytes, the file has {size}")
     return dtype, sizes
+
+
+def parameter_count(maxT: int, V: int, L: int, H: int, C: int, Vp: int) -> int:
+    """The number of values layout() lists, by arithmetic (no walk over L layers): wte, wpe,
+    per layer 12 C^2 (c_attn 3, c_proj 1, c_fc 4, mlp c_proj 4) and 13 C (biases and norms), ln_f."""
+    return Vp * C + maxT * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
 def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from ..config import GPT2Config
-from .state_dict import infer_config, normalize_keys, read_bin
+from ..errors import CheckpointError
+from .state_dict import check_state_dict, infer_config, layer_indices, normalize_keys, read_bin
 
 NAME = "nanogpt"
 SUFFIXES = (".pt", ".ckpt")
@@ -29,7 +30,8 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
     """A nanoGPT checkpoint's config and state dict, or a bare state dict and a config from its shapes."""
     checkpoint = read_bin(path)
     if all(isinstance(t, Tensor) for t in checkpoint.values()):
-        return infer_config(checkpoint), checkpoint, None
+        state = check_state_dict(checkpoint, path)
+        return infer_config(state, path), state, None
     config, state = from_nanogpt(checkpoint, str(path))
     return config, state, None
 
@@ -40,16 +42,17 @@ def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, di
     model trained with bias=False gets zero biases. Linear weights are transposed."""
     missing = [key for key in ("model", "model_args") if key not in checkpoint]
     if missing:
-        raise ValueError(f"{where}: not a state dict (not every value is a tensor), and not a nanoGPT "
-                         f"checkpoint: no {' or '.join(map(repr, missing))} field")
+        raise CheckpointError(where, f"not a state dict (not every value is a tensor), and not a nanoGPT "
+                                     f"checkpoint: no {' or '.join(map(repr, missing))} field")
     model, args = checkpoint["model"], checkpoint["model_args"]
     if not isinstance(model, dict) or not all(isinstance(t, Tensor) for t in model.values()):
-        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model' is not a state dict of tensors")
+        raise CheckpointError(where, "the nanoGPT checkpoint's 'model' is not a state dict of tensors")
+    check_state_dict(model, where)
     if not isinstance(args, dict):
-        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' is a {type(args).__name__}, not a dict")
+        raise CheckpointError(where, f"the nanoGPT checkpoint's 'model_args' is a {type(args).__name__}, not a dict")
     missing = [key for key in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head") if key not in args]
     if missing:
-        raise ValueError(f"{where}: the nanoGPT checkpoint's 'model_args' has no {', '.join(missing)}")
+        raise CheckpointError(where, f"the nanoGPT checkpoint's 'model_args' has no {', '.join(missing)}")
     dropout = args.get("dropout", 0.0)
     try:
         config = GPT2Config(
@@ -64,11 +67,20 @@ def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, di
             attn_pdrop=dropout,
         )
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: model_args: {e}") from None
+        raise CheckpointError(where, f"model_args: {e}") from None
     state = {}
     for name, t in normalize_keys(model, prefixed=True).items():
+        if name.endswith(NANOGPT_LINEARS) and t.dim() != 2:
+            raise CheckpointError(where, f"'model' {name} has shape {tuple(t.shape)}, not (out, in)")
         state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
     if not args.get("bias", True):
+        # Zero biases are made for the blocks the weights hold, after checking that they hold n_layer
+        # blocks of width n_embd: model_args alone must not decide how much memory is filled.
+        held, wte = layer_indices(state), state.get("transformer.wte.weight")
+        if held != set(range(config.n_layer)) or wte is None or tuple(wte.shape) != (config.vocab_size, config.n_embd):
+            raise CheckpointError(where, f"model_args (n_layer {config.n_layer}, n_embd {config.n_embd}, vocab_size "
+                                         f"{config.vocab_size}) do not fit the weights in 'model' ({len(held)} blocks, "
+                                         f"wte {tuple(wte.shape) if wte is not None else 'missing'})")
         C = config.n_embd
         widths = {"attn.c_attn.bias": 3 * C, "mlp.c_fc.bias": config.inner_dim}
         for i in range(config.n_layer):

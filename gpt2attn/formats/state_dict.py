@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..config import GPT2Config
+from ..errors import CheckpointError
 
 # Old HF checkpoints stored the causal mask as buffers; we build it on the fly.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".crossattention.bias", ".crossattention.masked_bias")
@@ -24,6 +25,9 @@ BODY_PREFIXES = ("wte.", "wpe.", "h.", "ln_f.")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # n_head for OpenAI's sizes, used when a bare state dict comes without a config.
 N_HEAD_BY_WIDTH = {768: 12, 1024: 16, 1280: 20, 1600: 25}
+# No tensor of a GPT-2 within gpt2attn's limits (config.LIMITS) has more dimensions or a longer one.
+MAX_DIMS = 4
+MAX_DIM_SIZE = 2**40
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -47,29 +51,52 @@ def normalize_keys(state: dict[str, Tensor], prefixed: bool) -> dict[str, Tensor
     return out
 
 
-def infer_config(state: dict[str, Tensor]) -> GPT2Config:
+def check_state_dict(state: Any, where: str | Path) -> dict[str, Tensor]:
+    """state, after checking it is a dict of name -> tensor (a file's tensors come from here)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(where, f"holds a {type(state).__name__}, not a state dict")
+    for name, tensor in state.items():
+        if not isinstance(name, str):
+            raise CheckpointError(where, f"a state dict's keys are tensor names, found the key {name!r:.80}")
+        if not isinstance(tensor, Tensor):
+            raise CheckpointError(where, f"{name} holds a {type(tensor).__name__}, not a tensor")
+    return state
+
+
+def layer_indices(state: dict[str, Tensor]) -> set[int]:
+    """The block numbers i of a state dict's h.{i}. keys (with or without `transformer.`)."""
+    return {int(m.group(1)) for key in state if (m := re.match(r"(?:transformer\.)?h\.(\d{1,9})\.", key))}
+
+
+def infer_config(state: dict[str, Tensor], where: str | Path = "state dict") -> GPT2Config:
     """A config from a bare state dict's shapes (n_head from OpenAI's sizes)."""
     state = normalize_keys(state, prefixed=False)
     if "wte.weight" not in state or "wpe.weight" not in state:
-        raise ValueError("state dict has no wte.weight / wpe.weight: is it a GPT-2 state dict?")
+        raise CheckpointError(where, "state dict has no wte.weight / wpe.weight: is it a GPT-2 state dict?")
+    for name in ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight"):
+        if name in state and state[name].dim() != 2:
+            raise CheckpointError(where, f"{name} has shape {tuple(state[name].shape)}, not (rows, columns)")
     vocab_size, n_embd = state["wte.weight"].shape
-    layers = {int(m.group(1)) for k in state if (m := re.match(r"h\.(\d+)\.", k))}
     if n_embd not in N_HEAD_BY_WIDTH:
-        raise ValueError(f"cannot tell n_head for width {n_embd}: pass config=GPT2Config(...) with the state dict")
-    return GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=state["wpe.weight"].shape[0],
-        n_embd=n_embd,
-        n_layer=len(layers),
-        n_head=N_HEAD_BY_WIDTH[n_embd],
-        n_inner=state["h.0.mlp.c_fc.weight"].shape[1] if "h.0.mlp.c_fc.weight" in state else None,
-    )
+        raise CheckpointError(where, f"cannot tell n_head for width {n_embd}: pass config=GPT2Config(...) "
+                                     f"with the state dict")
+    try:
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=state["wpe.weight"].shape[0],
+            n_embd=n_embd,
+            n_layer=len(layer_indices(state)),
+            n_head=N_HEAD_BY_WIDTH[n_embd],
+            n_inner=state["h.0.mlp.c_fc.weight"].shape[1] if "h.0.mlp.c_fc.weight" in state else None,
+        )
+    except ValueError as e:
+        raise CheckpointError(where, f"the config its shapes give: {e}") from None
 
 
-def read_bin(path: Path) -> dict[str, Tensor]:
+def read_bin(path: Path) -> dict[str, Any]:
     state = torch_load(path)
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not a state dict")
     return state
 
 
@@ -89,17 +116,17 @@ def torch_load(path: Path) -> Any:
     except pickle.UnpicklingError as e:
         raise refused(path, e) from None
     except Exception as e:
-        raise ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
+        raise CheckpointError(path, f"cannot read this PyTorch checkpoint (truncated or corrupt?): {e}") from None
 
 
-def refused(path: Path, error: Exception) -> ValueError:
+def refused(path: Path, error: Exception) -> CheckpointError:
     """The error for a pickle that weights-only loading refuses (it would run or build objects)."""
     message = str(error)
     if "Weights only load failed" not in message:
-        return ValueError(f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): {message}")
+        return CheckpointError(path, f"cannot read this PyTorch checkpoint (truncated or corrupt?): {message}")
     what = re.search(r"GLOBAL [\w.]+", message)
-    return ValueError(f"{path}: refused: holds objects that weights-only loading does not allow"
-                      + (f" ({what.group(0)})" if what else ""))
+    return CheckpointError(path, "refused: holds objects that weights-only loading does not allow"
+                           + (f" ({what.group(0)})" if what else ""))
 
 
 def resolve_dtype(dtype: Any, config: GPT2Config) -> torch.dtype | None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointError, read_json_file
+
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -74,10 +76,15 @@ class GenerationConfig:
     def from_pretrained(cls, folder: str | Path) -> "GenerationConfig":
         path = Path(folder) / GENERATION_CONFIG_NAME
         try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read the generation config ({e})") from e
-        return cls.from_dict(d)
+            d = read_json_file(path, "cannot read the generation config")
+        except OSError as e:
+            raise CheckpointError(path, f"cannot read the generation config ({e})") from e
+        try:
+            config = cls.from_dict(d)
+            config.check(vocab_size=2**63)  # the model's vocabulary is checked against at generate()
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(path, str(e)) from None
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         """The values that differ from the defaults (what transformers writes too)."""

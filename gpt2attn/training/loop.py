@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import GPT2Config
+from ..errors import CheckpointError
 from ..files import link_or_copy, remove_tree, replace_folder, write_atomic, write_text_atomic
 from ..formats.hf import write_model
 from ..formats.state_dict import torch_load
@@ -302,7 +303,7 @@ def read_training_state(checkpoint: Path) -> dict[str, Any]:
     state = torch_load(path)
     missing = [key for key in STATE_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
-        raise ValueError(f"{path}: not a gpt2attn training state (no {', '.join(missing)})")
+        raise CheckpointError(path, f"not a gpt2attn training state (no {', '.join(missing)})")
     return state
 
 
