@@ -22,6 +22,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="the HTML file to write")
 
 
+def page_name(model: str) -> str:
+    """The model's name on the page: as given, except the shipped default model, which is named
+    as such rather than by its path on this machine."""
+    if Path(model).resolve() == Path(DEFAULT_MODEL_DIR).resolve():
+        return "gpt2attn default model (char-level Shakespeare)"
+    return model
+
+
 def run(args) -> int:
     from ..explore import explore
     from ..model import GPT2LMHeadModel
@@ -36,7 +44,7 @@ def run(args) -> int:
     except FileNotFoundError as e:  # a folder with weights but no tokenizer files
         raise ValueError(str(e)) from None
     model = GPT2LMHeadModel.from_pretrained(src).eval()
-    page = explore(model, tokenizer, args.text, position=args.position, generate=args.generate, name=str(args.model))
+    page = explore(model, tokenizer, args.text, position=args.position, generate=args.generate, name=page_name(args.model))
     page.save(args.out)
     print(f"wrote {args.out}: {model.config.n_layer} layers x {model.config.n_head} heads, "
           f"{len(page.html) / 1e6:.1f} MB", file=sys.stderr)
