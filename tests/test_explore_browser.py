@@ -1,9 +1,13 @@
 """gpt2attn explore pages in headless Chromium (Debian's chromium + chromium-driver, via selenium).
 
-Checked from the DOM and the page's own data against the model: the grid, the keys a head view
-highlights, the numbers printed, the causal mask in the pictures, the ablation table, the decoding
-steps; and that the page makes no request and logs nothing. A screenshot of each view goes to
-$GPT2ATTN_SCREENSHOTS (default: a pytest temporary folder).
+Checked from the DOM after clicks, against the model's own numbers: the text and the grid (the
+thumbnails grey exactly where every covered cell is masked), the head view (per checked head the
+weights printed, a token highlighted when any checked head is above the threshold, the lines of a
+selected query or key, every line when nothing is selected), the neuron view (q, k, q×k, q·k,
+q·k/√d, the mask, the weights, for the layer, head and query clicked), the layers view (the logit
+lens against inspect.capture + ln_f + lm_head), the ablation table, the decoding steps (each new
+row and the next token, against generate); and that the page makes no request and logs nothing.
+A screenshot of each view goes to $GPT2ATTN_SCREENSHOTS (default: a pytest temporary folder).
 """
 
 import json
