@@ -224,3 +224,45 @@ def test_the_page_title_names_the_model(char_folder, tmp_path):
     assert main(["explore", "To be", "--model", str(DEFAULT_MODEL_DIR), "--out", str(out)]) == 0
     title = re.search(r"<title>(.*?)</title>", out.read_text())[1]
     assert title == "gpt2attn explore · gpt2attn default model (char-level Shakespeare)"
+
+
+def page_json(path) -> dict:
+    return json.loads(re.search(r'id="data">(.*?)</script>', path.read_text(), re.S)[1].replace("<\\/", "</"))
+
+
+def test_sentence_b_start_is_stored_and_bad_values_name_it(char_model):
+    model, tok = char_model
+    T = len(encode(tok, EXPLORE_TEXT))
+    assert page_data(model, tok, EXPLORE_TEXT)["sentence_b_start"] is None
+    assert page_data(model, tok, EXPLORE_TEXT, sentence_b_start=T - 1)["sentence_b_start"] == T - 1
+    for bad in (0, T, -1, 2.0, True, "3"):  # both segments need a token; a token index, not a float or a bool
+        with pytest.raises(ValueError, match=f"sentence_b_start must be a token index from 1 to {T - 1}.*got {bad!r}"):
+            page_data(model, tok, EXPLORE_TEXT, sentence_b_start=bad)
+
+
+def test_cli_text_b_appends_a_segment_and_sets_the_split(char_folder, tmp_path, capsys):
+    tok = load_tokenizer(char_folder)
+    first, second = "To be, or not to be:", "\nthat is the question."
+    out = tmp_path / "page.html"
+    assert main(["explore", first, "--text-b", second, "--model", str(char_folder), "--out", str(out)]) == 0
+    data = page_json(out)
+    assert data["ids"] == encode(tok, first + second) and data["sentence_b_start"] == len(encode(tok, first))
+    assert main(["explore", EXPLORE_TEXT, "--sentence-b-start", "5", "--model", str(char_folder), "--out", str(out)]) == 0
+    assert page_json(out)["sentence_b_start"] == 5
+    capsys.readouterr()
+    for extra, message in [(["--sentence-b-start", "42"], "sentence_b_start must be a token index from 1 to 41"),
+                           (["--text-b", ""], "--text-b is empty")]:
+        assert main(["explore", EXPLORE_TEXT, "--model", str(char_folder), "--out", str(tmp_path / "no.html"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gpt2attn explore: error: ") and message in err
+    assert not (tmp_path / "no.html").exists()
+
+
+def test_cli_text_b_must_not_merge_with_the_texts_last_token():
+    from gpt2attn.commands.explore import sentence_pair
+
+    tok = load_tokenizer(shared_data("gpt2-tokenizer"))
+    assert sentence_pair(tok, "The cat sat.", " The dog ran.") == ("The cat sat. The dog ran.", 4)
+    assert encode(tok, "Helloworld")[:1] != encode(tok, "Hello")  # GPT-2's BPE joins these two
+    with pytest.raises(ValueError, match="--text-b 'world': its first token merges"):
+        sentence_pair(tok, "Hello", "world")

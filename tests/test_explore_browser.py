@@ -7,7 +7,8 @@ selected query or key, every line when nothing is selected), the neuron view (q,
 q·k/√d, the mask, the weights, for the layer, head and query clicked), the layers view (the logit
 lens against inspect.capture + ln_f + lm_head), the ablation table, the decoding steps (each new
 row and the next token, against generate); and that the page makes no request and logs nothing.
-A screenshot of each view goes to $GPT2ATTN_SCREENSHOTS (default: a pytest temporary folder).
+The sentence-pair filter: per option, the lines, the heatmap and the thumbnails show exactly the
+allowed (query, key) pairs. A screenshot of each view goes to $GPT2ATTN_SCREENSHOTS (default: a pytest temporary folder).
 """
 
 import json
@@ -206,7 +207,7 @@ def test_page_in_chromium(name, browser, screenshots, tmp_path):
 class Opened:
     """A page written by explore() and the model's own numbers for its text."""
 
-    def __init__(self, folder: Path, text: str, out: Path, generate: int = 0):
+    def __init__(self, folder: Path, text: str, out: Path, generate: int = 0, sentence_b_start: int | None = None):
         from gpt2attn.explore import explore
 
         self.model, self.tok = GPT2LMHeadModel.from_pretrained(folder).eval(), load_tokenizer(folder)
@@ -218,7 +219,7 @@ class Opened:
         self.acts = acts
         self.weights = [acts[f"h.{l}.attn.weights"][0].double() for l in range(self.L)]  # L x (nh, T, T)
         self.path = out
-        explore(self.model, self.tok, text, generate=generate).save(out)
+        explore(self.model, self.tok, text, generate=generate, sentence_b_start=sentence_b_start).save(out)
 
     def open(self, browser):
         browser.get_log("browser"), browser.get_log("performance")  # empty both logs
@@ -465,3 +466,84 @@ def test_layers_view_is_each_layers_residual_through_ln_f_and_lm_head(name, brow
         assert browser.find_element("id", "lensinfo").text.startswith(f"{where}, position {i} ")
     browser.save_screenshot(str(screenshots / f"{name}-layers-view.png"))
     assert_nothing_left(browser, page.path)
+
+
+@pytest.mark.slow
+def test_sentence_pair_filter_shows_exactly_the_chosen_query_and_key_segments(browser, tmp_path):
+    split = EXPLORE_TEXT.index("\n") + 1  # sentence B: the second line
+    folder = char_model_folder(tmp_path / "char", n_layer=3)
+    page = Opened(folder, EXPLORE_TEXT, tmp_path / "pair.html", sentence_b_start=split).open(browser)
+    T, layer, heads = page.T, 1, [0, 2]
+    w = page.weights[layer]  # (nh, T, T)
+    segment = lambda i: "a" if i < split else "b"  # noqa: E731
+    colours, left_out = browser.execute_script("return [HEAD_COLORS, LEFT_OUT]")
+    thumbs_size = browser.execute_script("return document.querySelector('#grid canvas').width")
+    assert thumbs_size == T  # one thumbnail pixel per (query, key): the filter is exact there too
+    assert [o.get_attribute("value") for o in Select(browser.find_element("id", "mfilter")).options] == \
+        ["all", "aa", "bb", "ab", "ba"]
+    browser.execute_async_script("window.explore.openHead(1, [0, 2]).then(() => arguments[0]())")
+
+    def pixel_kind(rgb, i, j, weight):  # what the page must draw at query i, key j
+        if j > i:
+            return rgb == MASK
+        if not allowed(i, j):
+            return rgb == tuple(left_out)
+        return rgb[2] == 255 and abs(rgb[0] - (255 - 215 * weight)) <= 1.5
+
+    for n, choice in enumerate(["aa", "bb", "ab", "ba", "all"]):
+        allowed = lambda i, j: choice == "all" or segment(i) + segment(j) == choice  # noqa: E731
+        where = "filter" if n % 2 == 0 else "mfilter"  # either view's drop-down sets both
+        browser.find_element("id", "tab-head" if where == "filter" else "tab-model").click()
+        Select(browser.find_element("id", where)).select_by_value(choice)
+        after_updates(browser)
+        browser.find_element("id", "tab-head").click()
+        assert Select(browser.find_element("id", "filter")).first_selected_option.get_attribute("value") == choice
+
+        # nothing selected: every allowed line of both heads, and only those
+        expected = {(i, j, colours[h], round(float(w[h, i, j]) * 1000) / 1000) for h in heads for i in range(T)
+                    for j in range(i + 1) if allowed(i, j) and round(float(w[h, i, j]) * 1000)}
+        drawn = lines_drawn(browser)
+        assert len(drawn) == len(expected) and {(q, k, c, round(op, 3)) for q, k, c, op in drawn} == expected, choice
+        assert (expected == set()) == (choice == "ab")  # causal: no query of A sees a key of B
+
+        # a query of sentence B, clicked: numbers and lines for its allowed keys only
+        query = browser.find_element("css selector", f"#queries .tok[data-i='{T - 1}']")
+        browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", query)
+        query.click()
+        after_updates(browser)
+        printed = browser.execute_script("return [...document.querySelectorAll('#keys .tok .w')].map(e => e.textContent)")
+        assert [j for j, text in enumerate(printed) if text] == [j for j in range(T) if allowed(T - 1, j)]
+        assert {(q, k) for q, k, *_ in lines_drawn(browser)} == \
+            {(T - 1, j) for j in range(T) for h in heads if allowed(T - 1, j) and round(float(w[h, T - 1, j]) * 1000)}
+        query.click()  # unselected again
+        after_updates(browser)
+
+        # the first head's heatmap: masked, left out, or the weight's colour, cell by cell
+        cell, pixels = browser.execute_script(
+            "const c = document.getElementById('heatmap'); const n = +c.dataset.cell;"
+            "return [n, Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data)]")
+        for i in range(T):
+            for j in range(T):
+                at = ((i * cell + cell // 2) * T * cell + j * cell + cell // 2) * 4
+                assert pixel_kind(tuple(pixels[at: at + 3]), i, j, float(w[0, i, j])), (choice, i, j)
+
+        # the model view: every thumbnail the same way (one pixel per pair, the weight to 1/255)
+        browser.find_element("id", "tab-model").click()
+        assert Select(browser.find_element("id", "mfilter")).first_selected_option.get_attribute("value") == choice
+        thumbs = browser.execute_script(
+            "return [...document.querySelectorAll('#grid .cell')].map(c => [+c.dataset.layer, +c.dataset.head, "
+            "Array.from(c.querySelector('canvas').getContext('2d').getImageData(0, 0, arguments[0], arguments[0]).data)])", T)
+        for l, h, px in thumbs:
+            for i in range(T):
+                for j in range(T):
+                    weight = round(float(page.weights[l][h, i, j]) * 255) / 255
+                    assert pixel_kind(tuple(px[(i * T + j) * 4: (i * T + j) * 4 + 3]), i, j, weight), (choice, l, h, i, j)
+    assert_nothing_left(browser, page.path)
+
+
+@pytest.mark.slow
+def test_no_sentence_pair_filter_without_a_split(browser, char_pages):
+    page = char_pages["short"].open(browser)
+    assert not browser.find_element("id", "mfilter").is_displayed()
+    browser.find_element("id", "tab-head").click()
+    assert not browser.find_element("id", "filter").is_displayed()

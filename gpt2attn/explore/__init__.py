@@ -16,6 +16,9 @@ The page (page.html beside this file, with the data filled in) has six views:
                     of the model's top token there when that head is zeroed
     decoding        with generate=N: each greedy step's new query row over the cached keys
 
+With sentence_b_start=b (as bertviz's) the text is two segments, A = tokens 0..b-1 and B = b..T-1,
+and the model and head views get a filter: every pair, or only queries of one segment -> keys of one.
+
 Numbers are stored exactly to the 3 digits the page prints: a weight w as round(w * 1000) in
 uint16, only the causal (lower) triangle; q and k (any sign) as round(v * 1000) zigzag-coded in
 uint32. Each head's block is split into byte planes (low bytes first: the high planes are nearly
@@ -74,13 +77,14 @@ class Page:
 
 
 def explore(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1,
-            generate: int = 0, name: str = "") -> Page:
+            generate: int = 0, name: str = "", sentence_b_start: int | None = None) -> Page:
     """The page for `text`. position: the query whose prediction the ablation table explains
     (negative counts from the end; default the last). generate: greedy steps for the decoding
-    view. name: the model's name shown on the page. Bad input is a ValueError naming it."""
+    view. name: the model's name shown on the page. sentence_b_start: the token where a second
+    segment starts (1..T-1), for the sentence-pair filter. Bad input is a ValueError naming it."""
     if hasattr(tokenizer, "backend_tokenizer"):  # a transformers fast tokenizer: the Tokenizer inside
         tokenizer = tokenizer.backend_tokenizer
-    data = page_data(model, tokenizer, text, position, generate)
+    data = page_data(model, tokenizer, text, position, generate, sentence_b_start)
     data["model"] = name
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")  # no "</script>" inside the data
     title = "gpt2attn explore" + (f" · {html.escape(name)}" if name else "")
@@ -89,7 +93,8 @@ def explore(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: i
 
 
 @torch.no_grad()
-def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1, generate: int = 0) -> dict:
+def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1, generate: int = 0,
+              sentence_b_start: int | None = None) -> dict:
     """Everything the page shows, as JSON-ready values (see the module docstring for the encoding)."""
     if not isinstance(model, GPT2LMHeadModel):
         raise ValueError(f"explore needs a gpt2attn GPT2LMHeadModel, got {type(model).__name__}")
@@ -108,6 +113,9 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
     if not -T <= position < T:
         raise ValueError(f"position {position} is out of range for a text of {T} tokens")
     position %= T
+    if sentence_b_start is not None and (type(sentence_b_start) is not int or not 0 < sentence_b_start < T):
+        raise ValueError(f"sentence_b_start must be a token index from 1 to {T - 1} (the text is {T} tokens), "
+                         f"got {sentence_b_start!r}")
     model.eval()
     device = model.lm_head.weight.device
 
@@ -129,6 +137,7 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
         "scale": SCALE,
         "threshold": THRESHOLD,
         "position": position,
+        "sentence_b_start": sentence_b_start,
         "top": [[[label, round(p, 4)] for label, p in zip(token_labels(tokenizer, row_ids), row_p)]
                 for row_ids, row_p in zip(top.indices.tolist(), top.values.exp().tolist())],
         "target": token_labels(tokenizer, [target])[0],
