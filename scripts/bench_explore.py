@@ -1,20 +1,26 @@
-"""`gpt2attn explore` pages for gpt2-small: size, build time against forward passes, first view in Chromium.
+"""`gpt2attn explore` pages for gpt2-small: size, build time against forward passes, views in Chromium.
 
     python scripts/bench.py explore [--tokens 256 1024] [--threads 2] [--repeats 3] [--bertviz]
 
 gpt2-small shapes (12 layers x 12 heads, n_embd 768), random weights (seed 0), GPT-2's tokenizer
-(../shared/data/gpt2-tokenizer), a text of exactly N tokens. For each N prints: the page's size;
-the build time (explore(): the forward with attentions, the 144 head ablations, packing) beside
-one plain forward pass and the ratio build / (forward x 144 heads ablated); the first view's
-render time in headless Chromium (navigation start to the model view drawn, median of
---repeats loads) and the time to open one head's full view. --bertviz also writes bertviz's
-head_view and model_view (html_action="return") for the same model and text and prints their
-sizes and what they fetch.
+(../shared/data/gpt2-tokenizer, or $GPT2ATTN_SHARED_DATA/gpt2-tokenizer), a text of exactly N
+tokens. For each N prints: the page's size and what each part of its data takes (attention
+weights, the neuron view's q and k, the layers view's logit lens, thumbnails, the rest); the
+build time (explore(): the forward with attentions, the 144 head ablations, packing) beside one
+plain forward pass and the ratio build / (forward x 144 heads ablated); in headless Chromium
+(median of --repeats loads): the first view (navigation start to the model view drawn), opening
+one head's full view (every line drawn, as nothing is selected), the neuron view of the last
+query and the layers view. --bertviz also writes bertviz's head_view and model_view
+(html_action="return") for the same model and text and prints their sizes and what they fetch;
+--circuitsvis does the same with CircuitsVis' attention_heads, one layer per widget (its HTML as
+str() gives it, loading the bundle from a CDN, and as a notebook shows it offline, bundle inlined).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shutil
 import statistics
@@ -29,7 +35,10 @@ from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.explore import explore
 from gpt2attn.tokenizer import encode, load_tokenizer
 
-TOKENIZER_FILES = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
+SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"
+PARTS = {"attention weights": ["attn"], "neuron view (q, k)": ["q", "k"], "layers view (logit lens)": ["lens"],
+         "thumbnails": ["thumbs"]}  # the rest: tokens, top-5s, ablations, settings
 PROSE = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
          "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
          "it was the season of Darkness, it was the spring of hope, it was the winter of despair.\n")
@@ -41,6 +50,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bertviz", action="store_true")
+    parser.add_argument("--circuitsvis", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line())
@@ -65,22 +75,34 @@ def main(argv: list[str]) -> int:
                 page.save(path)
                 size = path.stat().st_size / 1e6
                 print(f"\n{n} tokens: page {size:.2f} MB")
+                data = json.loads(re.search(r'id="data">(.*?)</script>', page.html, re.S)[1].replace("<\\/", "</"))
+                sizes = {part: sum(len(json.dumps(data[key], separators=(",", ":"))) for key in keys) / 1e6
+                         for part, keys in PARTS.items()}
+                print("  of which " + "; ".join(f"{part} {mb:.2f} MB" for part, mb in sizes.items())
+                      + f"; the rest (page, tokens, top-5s, ablations) {size - sum(sizes.values()):.2f} MB")
                 print(f"  build {build:.2f} s; one forward pass {forward * 1000:.0f} ms; "
                       f"build / (forward x {heads} heads) = {build / (forward * heads):.2f}")
                 if browser is None:
                     continue
-                renders, opens = [], []
+                times = {"first view (model view)": [], "one head's full view, every line": [],
+                         "neuron view, last query": [], "layers view": []}
                 for _ in range(args.repeats):
                     browser.get(path.as_uri())
-                    renders.append(browser.execute_async_script(
-                        "window.explore.ready.then(() => arguments[0](window.explore.renderedAt))") / 1000)
-                    opens.append(browser.execute_async_script(
-                        "const t0 = performance.now(); window.explore.openHead(11, [3])"
-                        ".then(() => arguments[0](performance.now() - t0))") / 1000)
-                print(f"  Chromium: first view (model view) {statistics.median(renders):.2f} s; "
-                      f"opening one head's full view {statistics.median(opens):.2f} s (median of {args.repeats})")
+                    for what, script in zip(times, [
+                            "window.explore.ready.then(() => arguments[0](window.explore.renderedAt))",
+                            "const t0 = performance.now(); window.explore.openHead(11, [3])"
+                            ".then(() => arguments[0](performance.now() - t0))",
+                            f"const t0 = performance.now(); window.explore.openNeuron(11, 3, {n - 1})"
+                            ".then(() => arguments[0](performance.now() - t0))",
+                            "const t0 = performance.now(); document.getElementById('tab-lens').click();"
+                            "requestAnimationFrame(() => arguments[0](performance.now() - t0))"]):
+                        times[what].append(browser.execute_async_script(script) / 1000)
+                print(f"  Chromium {browser.capabilities['browserVersion']}, median of {args.repeats}: "
+                      + "; ".join(f"{what} {statistics.median(t):.2f} s" for what, t in times.items()))
                 if args.bertviz:
                     bertviz_pages(model, tok, ids, Path(tmp))
+                if args.circuitsvis:
+                    circuitsvis_pages(model, tok, ids)
         finally:
             if browser is not None:
                 browser.quit()
@@ -118,3 +140,19 @@ def bertviz_pages(model: GPT2LMHeadModel, tok, ids: list[int], tmp: Path) -> Non
         took = time.perf_counter() - start
         fetched = sorted(set(re.findall(r"https?://[^\s'\"]+", html)))
         print(f"  bertviz {name}: {len(html.encode()) / 1e6:.2f} MB in {took:.2f} s; fetches {', '.join(fetched) or 'nothing'}")
+
+
+def circuitsvis_pages(model: GPT2LMHeadModel, tok, ids: list[int]) -> None:
+    from circuitsvis.attention import attention_heads
+
+    with torch.no_grad():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    tokens = [tok.id_to_token(i) for i in ids]
+    start = time.perf_counter()
+    widgets = [attention_heads(a[0], tokens) for a in attentions]  # one layer each
+    took = time.perf_counter() - start
+    for name, src in (("str() / online", "cdn_src"), ("offline, bundle inlined", "local_src")):
+        sizes = [len(getattr(w, src).encode()) / 1e6 for w in widgets]
+        fetched = sorted(set(re.findall(r"https?://[^\s'\"]+", getattr(widgets[0], src))))
+        print(f"  CircuitsVis attention_heads, {name}: {sizes[0]:.2f} MB a layer, {sum(sizes):.2f} MB for all "
+              f"{len(widgets)} layers ({took:.2f} s); fetches {', '.join(fetched) or 'nothing'}")

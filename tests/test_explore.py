@@ -164,3 +164,105 @@ def test_bad_input_is_one_line_and_no_page(char_folder, tmp_path, capsys, case, 
     assert err.count("\n") == 1 and err.startswith("gpt2attn explore: error: ") and message in err
     assert out.read_text() == "the old page"
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["page.html"]
+
+
+def unpack_signed(blob: str, scale: int) -> torch.Tensor:
+    """The page's q and k back as floats: byte planes of zigzag-coded uint32 (0, -1, 1, ... -> 0, 1, 2, ...)."""
+    import base64
+    import zlib
+
+    raw = torch.frombuffer(bytearray(zlib.decompress(base64.b64decode(blob))), dtype=torch.uint8).long()
+    planes = raw.view(4, -1)
+    u = planes[0] + (planes[1] << 8) + (planes[2] << 16) + (planes[3] << 24)
+    return torch.where(u % 2 == 1, -(u + 1) // 2, u // 2).double() / scale
+
+
+def test_q_and_k_on_the_page_are_inspect_captures_to_3_digits(char_model):
+    model, tok = char_model
+    data = page_data(model, tok, EXPLORE_TEXT)
+    ids = encode(tok, EXPLORE_TEXT)
+    with torch.no_grad(), inspect.capture(model, names=["q", "k"]) as acts:  # the page's forward: eager attention
+        model(torch.tensor([ids]), output_attentions=True)
+    hs = data["head_size"]
+    assert hs == model.config.n_embd // model.config.n_head
+    assert data["score_scale"] == [hs**-0.5] * model.config.n_layer
+    for name in ("q", "k"):
+        for layer in range(model.config.n_layer):
+            for head in range(model.config.n_head):
+                stored = unpack_signed(data[name][layer][head], data["scale"]).view(len(ids), hs)
+                expected = acts[f"h.{layer}.attn.{name}"][0, head].double()
+                assert (stored - expected).abs().max() <= HALF_DIGIT
+                assert (expected < -0.01).any() and (expected > 0.01).any()  # both signs round-trip
+
+
+def test_logit_lens_is_each_layers_residual_through_ln_f_and_lm_head(char_model):
+    model, tok = char_model
+    lens = page_data(model, tok, EXPLORE_TEXT)["lens"]
+    ids = encode(tok, EXPLORE_TEXT)
+    L, T, K = model.config.n_layer, len(ids), lens["k"]
+    with torch.no_grad(), inspect.capture(model, names=["resid_pre", "resid_post"]) as acts:
+        model(torch.tensor([ids]))
+        streams = [acts["h.0.resid_pre"]] + [acts[f"h.{l}.resid_post"] for l in range(L)]
+        probs = torch.stack([model.lm_head(model.transformer.ln_f(x))[0] for x in streams]).softmax(-1)  # (L+1, T, V)
+    top = probs.topk(K)
+    stored_p = torch.tensor(lens["p"]).view(L + 1, T, K).double() / 1000
+    assert (stored_p - top.values).abs().max() <= HALF_DIGIT
+    stored_ids = torch.tensor(lens["ids"]).view(L + 1, T, K)
+    clear = top.values[..., :-1] - top.values[..., 1:] > 1e-5  # no tie between rank r and r+1
+    assert (stored_ids[..., :-1] == top.indices[..., :-1])[clear].all()
+    assert {int(i): label for i, label in lens["labels"].items()} == dict(
+        zip(sorted(set(lens["ids"])), token_labels(tok, sorted(set(lens["ids"])))))
+
+
+def test_the_page_title_names_the_model(char_folder, tmp_path):
+    from gpt2attn.commands.explore import page_name
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+
+    assert page_name(str(DEFAULT_MODEL_DIR)) == "gpt2attn default model (char-level Shakespeare)"
+    assert page_name(str(char_folder)) == str(char_folder)
+    out = tmp_path / "page.html"
+    assert main(["explore", "To be", "--model", str(DEFAULT_MODEL_DIR), "--out", str(out)]) == 0
+    title = re.search(r"<title>(.*?)</title>", out.read_text())[1]
+    assert title == "gpt2attn explore · gpt2attn default model (char-level Shakespeare)"
+
+
+def page_json(path) -> dict:
+    return json.loads(re.search(r'id="data">(.*?)</script>', path.read_text(), re.S)[1].replace("<\\/", "</"))
+
+
+def test_sentence_b_start_is_stored_and_bad_values_name_it(char_model):
+    model, tok = char_model
+    T = len(encode(tok, EXPLORE_TEXT))
+    assert page_data(model, tok, EXPLORE_TEXT)["sentence_b_start"] is None
+    assert page_data(model, tok, EXPLORE_TEXT, sentence_b_start=T - 1)["sentence_b_start"] == T - 1
+    for bad in (0, T, -1, 2.0, True, "3"):  # both segments need a token; a token index, not a float or a bool
+        with pytest.raises(ValueError, match=f"sentence_b_start must be a token index from 1 to {T - 1}.*got {bad!r}"):
+            page_data(model, tok, EXPLORE_TEXT, sentence_b_start=bad)
+
+
+def test_cli_text_b_appends_a_segment_and_sets_the_split(char_folder, tmp_path, capsys):
+    tok = load_tokenizer(char_folder)
+    first, second = "To be, or not to be:", "\nthat is the question."
+    out = tmp_path / "page.html"
+    assert main(["explore", first, "--text-b", second, "--model", str(char_folder), "--out", str(out)]) == 0
+    data = page_json(out)
+    assert data["ids"] == encode(tok, first + second) and data["sentence_b_start"] == len(encode(tok, first))
+    assert main(["explore", EXPLORE_TEXT, "--sentence-b-start", "5", "--model", str(char_folder), "--out", str(out)]) == 0
+    assert page_json(out)["sentence_b_start"] == 5
+    capsys.readouterr()
+    for extra, message in [(["--sentence-b-start", "42"], "sentence_b_start must be a token index from 1 to 41"),
+                           (["--text-b", ""], "--text-b is empty")]:
+        assert main(["explore", EXPLORE_TEXT, "--model", str(char_folder), "--out", str(tmp_path / "no.html"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gpt2attn explore: error: ") and message in err
+    assert not (tmp_path / "no.html").exists()
+
+
+def test_cli_text_b_must_not_merge_with_the_texts_last_token():
+    from gpt2attn.commands.explore import sentence_pair
+
+    tok = load_tokenizer(shared_data("gpt2-tokenizer"))
+    assert sentence_pair(tok, "The cat sat.", " The dog ran.") == ("The cat sat. The dog ran.", 4)
+    assert encode(tok, "Helloworld")[:1] != encode(tok, "Hello")  # GPT-2's BPE joins these two
+    with pytest.raises(ValueError, match="--text-b 'world': its first token merges"):
+        sentence_pair(tok, "Hello", "world")

@@ -3,19 +3,31 @@
     page = explore(model, tokenizer, "To be, or not to be", generate=10)
     page.save("page.html")          # or str(page); in a notebook the page shows itself
 
-The page (page.html beside this file, with the data filled in) has four views:
+The page (page.html beside this file, with the data filled in) has six views:
 
-    model view      every layer x head as a thumbnail of its attention pattern
+    model view      the text's tokens, and every layer x head as a thumbnail of its attention pattern
     head view       one layer's chosen heads: queries and keys in two columns, lines by weight
+                    (a selected token's lines, or every line when none is selected)
+    neuron view     one layer, head and query: q, each key's k, q x k elementwise, q.k, q.k/sqrt(d),
+                    the mask and the softmax weight, for every key
+    layers          what each layer would predict (the logit lens): each layer's residual stream
+                    through ln_f and lm_head, the top token per layer x position and its top-5
     prediction      the next-token top-5 at a position, and per head the change of the log-prob
                     of the model's top token there when that head is zeroed
     decoding        with generate=N: each greedy step's new query row over the cached keys
 
-Weights are stored exactly to the 3 digits the page prints: round(w * 1000) as uint16, only the
-causal (lower) triangle, per head zlib-compressed and base64-encoded; the browser inflates a head
-when it is shown (DecompressionStream), so a page opens fast whatever its size. Thumbnails are a
-separate small block: each head max-pooled to at most THUMB x THUMB cells, one byte per cell.
-Nothing is fetched: scripts, styles and data are all inside the file.
+With sentence_b_start=b (as bertviz's) the text is two segments, A = tokens 0..b-1 and B = b..T-1,
+and the model and head views get a filter: every pair, or only queries of one segment -> keys of one.
+
+Numbers are stored exactly to the 3 digits the page prints: a weight w as round(w * 1000) in
+uint16, only the causal (lower) triangle; q and k (any sign) as round(v * 1000) zigzag-coded in
+uint32. Each head's block is split into byte planes (low bytes first: the high planes are nearly
+all zero and pack to almost nothing), zlib-compressed and base64-encoded; the browser inflates a
+head when it is shown (DecompressionStream), so a page opens fast whatever its size. The neuron
+view computes q x k, q.k and q.k/sqrt(d) in the browser from the stored q and k (each within
+0.0005 of the model's), so a product can differ from the model's by what that rounding carries.
+Thumbnails are a separate small block: each head max-pooled to at most THUMB x THUMB cells, one
+byte per cell. Nothing is fetched: scripts, styles and data are all inside the file.
 """
 
 from __future__ import annotations
@@ -65,20 +77,24 @@ class Page:
 
 
 def explore(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1,
-            generate: int = 0, name: str = "") -> Page:
+            generate: int = 0, name: str = "", sentence_b_start: int | None = None) -> Page:
     """The page for `text`. position: the query whose prediction the ablation table explains
     (negative counts from the end; default the last). generate: greedy steps for the decoding
-    view. name: the model's name shown on the page. Bad input is a ValueError naming it."""
+    view. name: the model's name shown on the page. sentence_b_start: the token where a second
+    segment starts (1..T-1), for the sentence-pair filter. Bad input is a ValueError naming it."""
     if hasattr(tokenizer, "backend_tokenizer"):  # a transformers fast tokenizer: the Tokenizer inside
         tokenizer = tokenizer.backend_tokenizer
-    data = page_data(model, tokenizer, text, position, generate)
+    data = page_data(model, tokenizer, text, position, generate, sentence_b_start)
     data["model"] = name
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")  # no "</script>" inside the data
-    return Page(TEMPLATE.read_text(encoding="utf-8").replace("/*DATA*/", blob))
+    title = "gpt2attn explore" + (f" · {html.escape(name)}" if name else "")
+    page = TEMPLATE.read_text(encoding="utf-8").replace("<title>gpt2attn explore</title>", f"<title>{title}</title>")
+    return Page(page.replace("/*DATA*/", blob))
 
 
 @torch.no_grad()
-def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1, generate: int = 0) -> dict:
+def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1, generate: int = 0,
+              sentence_b_start: int | None = None) -> dict:
     """Everything the page shows, as JSON-ready values (see the module docstring for the encoding)."""
     if not isinstance(model, GPT2LMHeadModel):
         raise ValueError(f"explore needs a gpt2attn GPT2LMHeadModel, got {type(model).__name__}")
@@ -97,6 +113,9 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
     if not -T <= position < T:
         raise ValueError(f"position {position} is out of range for a text of {T} tokens")
     position %= T
+    if sentence_b_start is not None and (type(sentence_b_start) is not int or not 0 < sentence_b_start < T):
+        raise ValueError(f"sentence_b_start must be a token index from 1 to {T - 1} (the text is {T} tokens), "
+                         f"got {sentence_b_start!r}")
     model.eval()
     device = model.lm_head.weight.device
 
@@ -106,20 +125,27 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
     top = logp.topk(min(TOP_K, logp.size(-1)))  # (T, k)
     target = int(top.indices[position, 0])
     effects = head_effects(model, out.hidden_states, position, target) - logp[position, target]  # (L, nh)
+    q, k = queries_keys(model, out.hidden_states)  # (L, nh, T, hs) each
 
     return {
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
+        "head_size": cfg.n_embd // cfg.n_head,
+        "score_scale": [block.attn.scale for block in model.transformer.h],  # score = q.k * scale (1/sqrt(d))
         "tokens": token_labels(tokenizer, ids),
         "ids": ids,
         "scale": SCALE,
         "threshold": THRESHOLD,
         "position": position,
+        "sentence_b_start": sentence_b_start,
         "top": [[[label, round(p, 4)] for label, p in zip(token_labels(tokenizer, row_ids), row_p)]
                 for row_ids, row_p in zip(top.indices.tolist(), top.values.exp().tolist())],
         "target": token_labels(tokenizer, [target])[0],
         "effects": [[round(e, 4) for e in row] for row in effects.tolist()],
         "attn": [[pack(triangle(w)) for w in layer] for layer in weights],
+        "q": [[pack(head, signed=True) for head in layer] for layer in q],
+        "k": [[pack(head, signed=True) for head in layer] for layer in k],
+        "lens": logit_lens(model, tokenizer, out.hidden_states, out.logits),
         "thumbs": thumbnails(weights),
         "steps": decode_steps(model, tokenizer, ids, generate) if generate else None,
     }
@@ -140,6 +166,36 @@ def head_effects(model: GPT2LMHeadModel, hidden: tuple[Tensor, ...], position: i
         logits = model.lm_head(base.ln_f(x[:, -1]))  # (nh, V)
         rows.append(logits.float().log_softmax(-1)[:, token])
     return torch.stack(rows).cpu()
+
+
+def queries_keys(model: GPT2LMHeadModel, hidden: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """Every layer's queries and keys, (L, nh, T, hs) each, from each layer's input (hidden[L])
+    as its attention makes them: ln_1, c_attn, split into heads."""
+    qs, ks = [], []
+    for layer, block in enumerate(model.transformer.h):
+        q, k, _ = block.attn.c_attn(block.ln_1(hidden[layer])).split(model.config.n_embd, dim=2)
+        qs.append(block.attn.split_heads(q)[0])  # (nh, T, hs)
+        ks.append(block.attn.split_heads(k)[0])
+    return torch.stack(qs).float().cpu(), torch.stack(ks).float().cpu()
+
+
+def logit_lens(model: GPT2LMHeadModel, tokenizer: Tokenizer, hidden: tuple[Tensor, ...], logits: Tensor) -> dict:
+    """What each layer would predict: the residual stream after the embeddings and after each
+    layer (hidden[0..L-1], then the final logits, which already went through ln_f) through ln_f
+    and lm_head. Rows: embeddings, layer 0 .. layer L-1; per row and position the top-5 token ids
+    and round(p * SCALE), flat (row, position, rank); labels: the label of each id shown."""
+    base = model.transformer
+    rows = [model.lm_head(base.ln_f(h[0])) for h in hidden[:-1]] + [logits[0]]  # L+1 x (T, V)
+    probs = torch.stack(rows).float().softmax(-1)  # (L+1, T, V)
+    top = probs.topk(min(TOP_K, probs.size(-1)))  # (L+1, T, k)
+    ids = top.indices.flatten().tolist()
+    shown = sorted(set(ids))
+    return {
+        "k": top.indices.size(-1),
+        "ids": ids,
+        "p": (top.values * SCALE).round().int().flatten().tolist(),
+        "labels": dict(zip(map(str, shown), token_labels(tokenizer, shown))),
+    }
 
 
 @torch.no_grad()
@@ -171,11 +227,18 @@ def triangle(w: Tensor) -> Tensor:
     return w[rows, cols]
 
 
-def pack(values: Tensor) -> str:
-    """round(w * SCALE) as uint16, low bytes then high bytes (the high ones are nearly all zero,
-    which zlib packs well), zlib, base64."""
-    q = np.round(values.numpy().astype(np.float64) * SCALE).astype("<u2")
-    planes = q.view(np.uint8).reshape(-1, 2).T  # (2, n): low bytes, high bytes
+def pack(values: Tensor, signed: bool = False) -> str:
+    """round(v * SCALE), flattened: weights (0..1) as uint16; signed values zigzag-coded
+    (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) as uint32. Split into byte planes, low bytes first
+    (the high ones are nearly all zero, which zlib packs well), zlib, base64."""
+    q = np.round(values.numpy().astype(np.float64).ravel() * SCALE).astype(np.int64)
+    if signed:
+        if np.abs(q).max(initial=0) >= 2**31:
+            raise ValueError(f"a value of {np.abs(values).max():.4g} is too large to store at 1/{SCALE}")
+        q = ((q << 1) ^ (q >> 63)).astype("<u4")  # zigzag: the sign in the lowest bit
+    else:
+        q = q.astype("<u2")
+    planes = q.view(np.uint8).reshape(-1, q.itemsize).T  # (bytes per value, n): low bytes first
     return base64.b64encode(zlib.compress(planes.tobytes(), 6)).decode("ascii")
 
 
