@@ -184,3 +184,31 @@ def test_int8_validation_loss_within_half_a_percent_of_fp32():
     loss8 = int8(blocks, labels=blocks).loss.item()
     assert loss32 < 1.9  # the model is the trained one, not noise
     assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_int8_decoding_loss_within_half_a_percent_of_fp32():
+    """The same model and text as above, but fed one character per forward through the KV cache
+    (8 blocks, batch 8): the path generate takes, with int8 input blocks in the kernel."""
+    import torch.nn.functional as F
+
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.tokenizer import load_tokenizer
+
+    text = (shared_data("tinyshakespeare") / "input.txt").read_text()
+    ids = torch.tensor(load_tokenizer(DEFAULT_MODEL_DIR).encode(text[int(len(text) * 0.9) :]).ids)
+    blocks = ids[: 8 * 128].view(8, 128)
+    losses = []
+    for mode in (None, "int8"):
+        model = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR, quantize=mode).eval()
+        logits, past = [], None
+        for t in range(127):
+            step = model(blocks[:, t : t + 1], past_key_values=past, use_cache=True)
+            logits.append(step.logits)
+            past = step.past_key_values
+        logits = torch.cat(logits, dim=1)  # (8, 127, V)
+        losses.append(F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()).item())
+    loss32, loss8 = losses
+    assert loss32 < 1.9
+    assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
