@@ -46,12 +46,13 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def from_pretrained(cls, pretrained_model_name_or_path: Any, dtype: Any = None, device: Any = None,
                         quantize: str | None = None, **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
-        quantize='int8' or 'bf16' then applies gpt2attn.quantize (CPU inference)."""
+        quantize='fp32', 'fp16', 'bf16' or 'int8' then applies gpt2attn.quantize (CPU inference)."""
         model = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
         return model.quantize(quantize) if quantize is not None else model
 
     def quantize(self, mode: str = "int8"):
-        """Quantize in place for CPU inference ('int8' or 'bf16'); see gpt2attn.quantize."""
+        """Make the model decode fast on the CPU, in place, with weights in 'fp32', 'fp16', 'bf16'
+        or 'int8'; see gpt2attn.quantize."""
         return quantize(self, mode)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:

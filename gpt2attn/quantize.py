@@ -1,40 +1,39 @@
-"""int8 decoding on the CPU, and a check for bf16 before it runs tens of times slower.
+"""CPU inference: the weights of every matrix product in fp32, fp16, bf16 or int8, decoded at the
+speed of reading them.
 
-    model = GPT2LMHeadModel.from_pretrained(src, quantize="int8")   # or model.quantize("int8")
+    model = GPT2LMHeadModel.from_pretrained(src, quantize="int8")   # or model.quantize("fp16"), ...
 
-`quantize(model, "int8")` replaces, in place, every `Conv1D` (attn.c_attn, attn.c_proj, mlp.c_fc,
-mlp.c_proj) by an `Int8Conv1D` and the `lm_head` by an `Int8Linear` (`Int8TiedLinear` when it
-shares the token embedding), under the same names: the
-model stays a gpt2attn model, so generate, the KV cache and the inspect taps (which live on Block,
-Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms, attention itself
-and the residual stream stay fp32.
+`quantize(model, mode)` replaces, in place, every `Conv1D` (attn.c_attn, attn.c_proj, mlp.c_fc,
+mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its weight as `mode`:
 
-The kernel, for every layer: fbgemm's dynamic int8 linear (`quantized::linear_dynamic`). Weights
-are int8, one scale per output channel, packed once for the CPU; each call quantizes its input
-to 8 bits with one scale and zero point for the whole input (7 bits with `reduce_range`, so AVX2's
-int16 pair sums cannot saturate), multiplies in int32 and returns fp32 with the bias added.
-Weight-only and dynamic-activation int8 were measured per layer shape of gpt2-small on this project's AVX2
-CPU (`python scripts/bench.py generate --quantize int8 --layers`; the table is in README.md): the
-dynamic kernel was the fastest for every shape at 1, 8 and 512 rows (1.1-7x fp32; level with it
-only for the 768x768 projection at one row), while the weight-only kernels (torch's
-`_weight_int8pack_mm`, torchao 0.18's `Int8WeightOnlyConfig`) and torchao's dynamic
-`Int8DynamicActivationInt8WeightConfig` were slower than fp32, or at best level with it, for
-every shape here. So every layer takes the dynamic kernel, and torchao is not a dependency.
-Packing goes through `torch.quantize_per_channel`, which torch 2.13 marks deprecated (its warning
-is silenced here); the kernel itself is not.
+    fp32  the very same parameters (no copy; still trainable: with gradients on, plain torch)
+    fp16  16-bit copies, widened to fp32 inside the kernel (F16C); accumulation in fp32
+    bf16  the same in bfloat16 (widened by a 16-bit shift: any AVX2 CPU does it at full speed)
+    int8  int8, one scale per output channel (the fp32 weight rounded to 255 levels per row)
 
-`state_dict()` of a quantized model has Hugging Face's keys and shapes; each quantized weight is
-the fp32 tensor it computes with (int8 times its scale), and a tied head gives the embedding it
-was quantized from. So `save_pretrained` writes an ordinary fp32 folder that transformers opens,
-and `from_pretrained(folder, quantize="int8")` rebuilds the very same int8 weights: no int8 format
-on disk, as fbgemm's packed layout belongs to the CPU that packed it and quantizing at load costs
-a few CPU seconds for gpt2-small (3.5 s measured on this project's shared machine). Quantized
+The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
+Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
+fp32. Each layer takes, per call:
+  - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' matrix-vector
+    products, which read each weight once on all of torch's threads (fp32 and 16-bit in the
+    layer's own layout, Conv1D's (in, out) or the head's (out, in); int8 as (out, in) rows, with the
+    input quantized per step in blocks of 32 values, as llama.cpp's q8_0);
+  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
+    int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
+    with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
+    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small).
+Where the kernels cannot run (see gpt2attn.kernels) every product takes its plain-torch reference.
+Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
+(`python scripts/bench.py generate --quantize int8 --layers`).
+
+`state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
+computes with (the 16-bit or int8 weight widened back), and a tied head gives the embedding it was
+made from. So `save_pretrained` writes an ordinary fp32 folder that transformers opens, and
+`from_pretrained(folder, quantize=mode)` rebuilds the very same weights. The 16-bit and int8
 layers are for inference: no gradients flow through them.
 
-bf16: matrix products in bf16 are fast only on CPUs with AMX or AVX512-BF16; elsewhere torch
-emulates them (a 512x768x3072 product: 112 ms in fp32, 8747 ms in bf16 in one run on this
-project's AMD EPYC with AVX2). `cpu_bf16_report()` says which this CPU is, and `quantize(model, "bf16")` casts the
-model to bf16 only where it pays, raising otherwise.
+`cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
+training's dtype="auto" asks; the weights-only bf16 here does not need it.
 """
 
 from __future__ import annotations
@@ -43,61 +42,86 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels as K
 from .layers import Conv1D
 
-MODES = ("int8", "bf16")
-KERNEL = "fbgemm dynamic int8 (quantized::linear_dynamic)"
+MODES = ("fp32", "fp16", "bf16", "int8")
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kernels
 
 
-class Int8Linear(nn.Module):
-    """y = x Wᵀ + b with W in int8 (per output channel) and x quantized on each call.
+class CpuLinear(nn.Module):
+    """A Conv1D (`conv`, weight (in, out)) or nn.Linear (weight (out, in)) for CPU inference:
+    y = x W + b through `decode` for a few rows, `prefill` for many. Subclasses hold the weight."""
 
-    Built from an fp32 weight (out, in) and bias; keeps only fbgemm's packed copy of them.
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None):
+    def __init__(self, in_features: int, out_features: int, conv: bool):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.has_bias = bias is not None
-        self.kernel = KERNEL
-        self._pack(weight, bias)
-
-    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
-        weight = weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
-        zero = torch.zeros(weight.size(0), dtype=torch.long)
-        with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
+        self.in_features, self.out_features, self.conv = in_features, out_features, conv
 
     def forward(self, x: Tensor) -> Tensor:
-        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features), self.packed, True)  # (N, out)
-        return out.view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)  # (N, in)
+        few = x2.size(0) <= DECODE_ROWS and not torch.compiler.is_compiling()
+        y = self.decode(x2) if few and self._kernel_ok(x2) else self.prefill(x2)  # (N, out)
+        return y.view(*x.shape[:-1], self.out_features)
 
-    def int8_weight(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(int8 weight (out, in), fp32 scale per output channel (out,), bias or None)."""
-        qweight, bias = torch.ops.quantized.linear_unpack(self.packed)
-        return qweight.int_repr(), qweight.q_per_channel_scales().float(), bias
+    def _kernel_ok(self, x: Tensor) -> bool:
+        return x.dtype == torch.float32 and x.device.type == "cpu" and K.available()
 
-    def dequantized_weight(self) -> Tensor:
-        """The fp32 weight (out, in) this layer computes with."""
-        w8, scale, _ = self.int8_weight()
-        return w8.float() * scale[:, None]
+    @property
+    def kernel(self) -> str:
+        return f"decode: {self.decode_kernel if K.available() else 'plain torch'}; prefill: {self.prefill_kernel}"
 
-    # state_dict: the layer's own layout and names, fp32, so checkpoints stay Hugging Face's.
-    def _weight_for_state_dict(self) -> Tensor:
-        return self.dequantized_weight()
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
-    def _weight_from_state_dict(self, weight: Tensor) -> Tensor:
-        return weight
+
+class Float32Linear(CpuLinear):
+    """The layer's own fp32 parameters, shared (not copied): state_dict and ties stay as they were."""
+
+    prefill_kernel = "torch (MKL) fp32"
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, conv: bool):
+        super().__init__(*(weight.shape if conv else weight.shape[::-1]), conv)
+        self.weight, self.bias = weight, bias
+        self.decode_kernel = f"gpt2attn fp32 {'cols' if conv else 'rows'}"
+
+    def _kernel_ok(self, x: Tensor) -> bool:  # with gradients wanted, only autograd's path will do
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        return not wants_grad and self.weight.dtype == torch.float32 and super()._kernel_ok(x)
+
+    def decode(self, x: Tensor) -> Tensor:
+        return (K.cols if self.conv else K.rows)(x, self.weight.detach(), None if self.bias is None else self.bias.detach())
+
+    def prefill(self, x: Tensor) -> Tensor:
+        if self.conv:
+            return torch.addmm(self.bias, x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(CpuLinear):
+    """A layer whose weight is held in a form of its own (`_pack`); state_dict gives and takes the
+    layer's fp32 weight in its HF layout (`hf_weight`). `tied`: the weight is a tied embedding's,
+    which state_dict then gives as it is (so a checkpoint keeps the tie)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, conv: bool = False, tied: bool = False):
+        super().__init__(*(weight.shape if conv else weight.shape[::-1]), conv)
+        self.has_bias = bias is not None
+        self._tied = (weight,) if tied else None  # a tuple, so nn.Module does not register it
+        self._pack(weight.detach().float(), None if bias is None else bias.detach().float())
+
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
+        raise NotImplementedError
+
+    def hf_weight(self) -> Tensor:
+        raise NotImplementedError
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self._weight_for_state_dict()
+        destination[prefix + "weight"] = self._tied[0] if self._tied else self.hf_weight()
         if self.has_bias:
-            destination[prefix + "bias"] = self.int8_weight()[2]
+            destination[prefix + "bias"] = self.bias
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -106,75 +130,117 @@ class Int8Linear(nn.Module):
         if missing:
             missing_keys.extend(missing)
             return
-        weight = self._weight_from_state_dict(state_dict[prefix + "weight"])
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            error_msgs.append(f"size mismatch for {prefix}weight: {tuple(state_dict[prefix + 'weight'].shape)} "
+        weight = state_dict[prefix + "weight"]
+        shape = (self.in_features, self.out_features) if self.conv else (self.out_features, self.in_features)
+        if tuple(weight.shape) != shape:
+            error_msgs.append(f"size mismatch for {prefix}weight: {tuple(weight.shape)} "
                               f"does not fit {self.in_features} inputs and {self.out_features} outputs")
             return
-        self._pack(weight, state_dict.get(prefix + "bias"))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+        bias = state_dict.get(prefix + "bias")
+        self._pack(weight.detach().float(), None if bias is None else bias.detach().float())
 
 
-class Int8Conv1D(Int8Linear):
-    """Int8Linear standing in for a Conv1D: its state_dict weight is (in, out), as Conv1D's."""
+class HalfLinear(PackedLinear):
+    """The weight in 16 bits (fp16 or bf16) in the layer's own layout; products accumulate in fp32."""
 
-    def __init__(self, conv: Conv1D):
-        super().__init__(conv.weight.t(), conv.bias)
+    prefill_kernel = "torch (MKL) fp32 on the widened weight"
 
-    def _weight_for_state_dict(self) -> Tensor:
-        return self.dequantized_weight().t()
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, conv: bool = False,
+                 tied: bool = False):
+        self.weight_dtype = dtype
+        super().__init__(weight, bias, conv, tied)
+        self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} {'cols' if conv else 'rows'}"
 
-    def _weight_from_state_dict(self, weight: Tensor) -> Tensor:
-        return weight.t()
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight16 = weight.to(self.weight_dtype)  # (in, out) for a Conv1D, (out, in) for a Linear
+        self.bias = bias
+
+    def hf_weight(self) -> Tensor:
+        return self.weight16.float()
+
+    def decode(self, x: Tensor) -> Tensor:
+        return (K.cols if self.conv else K.rows)(x, self.weight16, self.bias)
+
+    def prefill(self, x: Tensor) -> Tensor:
+        return (K.cols_reference if self.conv else K.rows_reference)(x, self.weight16, self.bias)
 
 
-class Int8TiedLinear(Int8Linear):
-    """An int8 LM head quantized from the token embedding it is tied to; its state_dict weight is
-    that embedding (so a checkpoint keeps the tie and stores the matrix once)."""
+class Int8Linear(PackedLinear):
+    """y = x Wᵀ + b with W in int8, one scale per output channel (row of W (out, in)).
 
-    def __init__(self, weight: nn.Parameter):
-        super().__init__(weight, None)
-        self._tied = (weight,)  # a tuple, so nn.Module does not register it as this layer's parameter
+    `Int8Linear(weight (out, in), bias)` quantizes an nn.Linear's weight; conv=True takes a
+    Conv1D's (in, out)."""
 
-    def _weight_for_state_dict(self) -> Tensor:
-        return self._tied[0]
+    prefill_kernel = "fbgemm dynamic int8 (quantized::linear_dynamic)"
+    decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
+
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
+        weight = weight.t() if self.conv else weight  # (out, in)
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
+        zero = torch.zeros(weight.size(0), dtype=torch.long)
+        with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        # the same int8 weights, plain, for the decoding kernel: (out, in) rows and their scales
+        self.weight8, self.scale = qweight.int_repr().contiguous(), qweight.q_per_channel_scales().float()
+        self.bias = bias
+
+    def int8_weight(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(int8 weight (out, in), fp32 scale per output channel (out,), bias or None)."""
+        return self.weight8, self.scale, self.bias
+
+    def dequantized_weight(self) -> Tensor:
+        """The fp32 weight (out, in) this layer computes with."""
+        return self.weight8.float() * self.scale[:, None]
+
+    def hf_weight(self) -> Tensor:
+        w = self.dequantized_weight()
+        return w.t() if self.conv else w
+
+    def _kernel_ok(self, x: Tensor) -> bool:
+        return self.in_features % K.BLOCK == 0 and super()._kernel_ok(x)
+
+    def decode(self, x: Tensor) -> Tensor:
+        return K.rows_q8(x, self.weight8, self.scale, self.bias)
+
+    def prefill(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Quantize `model` in place for CPU inference and return it; mode is 'int8' or 'bf16'."""
+    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16' or 'int8'),
+    in place, and return it: see this module's docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")
     param = next(model.parameters())
     if param.device.type != "cpu":
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
-    if mode == "bf16":
-        fast, report = cpu_bf16_report()
-        if not fast:
-            raise RuntimeError(f"not casting to bf16: {report}. Use quantize('int8') for decoding, or stay in fp32")
-        return model.to(torch.bfloat16)
     if param.dtype != torch.float32:
-        raise ValueError(f"quantize('int8') needs an fp32 model, this one is {param.dtype}")
-    if torch.backends.quantized.engine == "none":
+        raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
+    if mode == "int8" and torch.backends.quantized.engine == "none":
         raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
+    K.library()  # build the kernels now (or warn once that plain torch will do)
+    wte = getattr(getattr(model, "transformer", None), "wte", None)
     for name, module in list(model.named_modules()):
-        if isinstance(module, Int8Linear):
+        conv = isinstance(module, Conv1D)
+        if not (conv or (name.endswith("lm_head") and isinstance(module, nn.Linear))):
             continue
+        tied = not conv and wte is not None and module.weight is wte.weight
+        if mode == "fp32":
+            layer = Float32Linear(module.weight, module.bias, conv)
+        elif mode == "int8":
+            layer = Int8Linear(module.weight, module.bias, conv, tied)
+        else:
+            layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        if isinstance(module, Conv1D):
-            setattr(parent, child, Int8Conv1D(module))
-        elif name.endswith("lm_head") and isinstance(module, nn.Linear):
-            wte = getattr(getattr(model, "transformer", None), "wte", None)
-            tied = wte is not None and module.weight is wte.weight
-            setattr(parent, child, Int8TiedLinear(module.weight) if tied else Int8Linear(module.weight, module.bias))
+        setattr(model.get_submodule(parent_name), child, layer)
     return model
 
 
 def kernels(model: nn.Module) -> dict[str, str]:
-    """Module name -> the kernel its matrix product runs on, for every quantized layer."""
-    return {name: m.kernel for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    """Module name -> the kernels its matrix products run on, for every layer quantize() made."""
+    return {name: m.kernel for name, m in model.named_modules() if isinstance(m, CpuLinear)}
 
 
 def cpu_bf16_report() -> tuple[bool, str]:

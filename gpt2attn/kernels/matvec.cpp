@@ -1,0 +1,274 @@
+// Matrix-vector products for CPU decoding: every weight read once per step, on every thread.
+//
+// y (B, N) = x (B, K) · W + bias, for a few rows B (decoding), with W kept in one of two layouts:
+//   cols: W (K, N) row-major, Conv1D's layout. A chunk of 64 rows of W, read front to back,
+//         adds x[b, k] times row k into its own copy of the outputs (in L1/L2); the chunks'
+//         copies are summed at the end.
+//   rows: W (N, K) row-major, nn.Linear's layout (the LM head, the int8 weights). A chunk of 64
+//         rows takes each row's dot product with every x[b].
+// Weights in fp32, fp16 (widened with F16C) or bf16 (widened by a 16-bit shift); accumulation in
+// fp32. int8 (rows only): one scale per row; x is quantized once per call in blocks of 32 values
+// with one scale each (as llama.cpp's q8_0), the 32-value dot products are exact int32 sums.
+// Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count),
+// each taking chunks of the outputs.
+// Built with -mavx2 -mfma -mf16c; the Python side loads it only on a CPU that has all three.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+// Work is handed out in chunks (OpenMP's dynamic schedule), so a thread the OS holds back on a
+// busy machine delays the step by one chunk, not by its whole share.
+constexpr int64_t KROWS = 64;  // rows of W (K, N) per chunk of a cols product
+constexpr int64_t ROWS = 64;   // rows per chunk of a rows product
+
+// 8 weights widened to fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p, bool bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i*)p);
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+inline float widen(float v, bool) { return v; }
+inline float widen(uint16_t v, bool bf16) {
+    if (bf16) {
+        uint32_t u = (uint32_t)v << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return _cvtsh_ss(v);
+}
+template <typename T> inline __m256 load(const T* p, bool bf16);
+template <> inline __m256 load<float>(const float* p, bool) { return load8(p); }
+template <> inline __m256 load<uint16_t>(const uint16_t* p, bool bf16) { return load8(p, bf16); }
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+// [start, end) of part `t` of `n` items split in `parts`, each start a multiple of `align`
+inline void slice(int64_t n, int parts, int t, int64_t align, int64_t* start, int64_t* end) {
+    int64_t units = (n + align - 1) / align;
+    int64_t per = units / parts, extra = units % parts;
+    int64_t a = t * per + (t < extra ? t : extra), b = a + per + (t < extra ? 1 : 0);
+    *start = a * align < n ? a * align : n;
+    *end = b * align < n ? b * align : n;
+}
+
+template <typename T>
+void cols(const float* x, int64_t B, int64_t K, const T* W, int64_t N, const float* bias, float* y, int threads,
+          bool bf16) {
+    const int64_t chunks = (K + KROWS - 1) / KROWS;
+    std::vector<float> part(chunks * B * N, 0.0f);  // (chunks, B, N): each chunk's share of y
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t k1 = (c + 1) * KROWS < K ? (c + 1) * KROWS : K;
+        float* y_part = part.data() + c * B * N;
+        const int64_t vec_end = N / 8 * 8;
+        int64_t k = c * KROWS;
+        for (; k + 4 <= k1; k += 4) {  // four rows of W per pass over the outputs
+            const T *w0 = W + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+            for (int64_t b = 0; b < B; b++) {
+                const float* xb = x + b * K + k;
+                __m256 x0 = _mm256_set1_ps(xb[0]), x1 = _mm256_set1_ps(xb[1]);
+                __m256 x2 = _mm256_set1_ps(xb[2]), x3 = _mm256_set1_ps(xb[3]);
+                float* yb = y_part + b * N;
+                for (int64_t n = 0; n < vec_end; n += 8) {
+                    __m256 a = _mm256_loadu_ps(yb + n);
+                    a = _mm256_fmadd_ps(x0, load<T>(w0 + n, bf16), a);
+                    a = _mm256_fmadd_ps(x1, load<T>(w1 + n, bf16), a);
+                    a = _mm256_fmadd_ps(x2, load<T>(w2 + n, bf16), a);
+                    a = _mm256_fmadd_ps(x3, load<T>(w3 + n, bf16), a);
+                    _mm256_storeu_ps(yb + n, a);
+                }
+                for (int64_t n = vec_end; n < N; n++)
+                    yb[n] += xb[0] * widen(w0[n], bf16) + xb[1] * widen(w1[n], bf16) + xb[2] * widen(w2[n], bf16) +
+                             xb[3] * widen(w3[n], bf16);
+            }
+        }
+        for (; k < k1; k++)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t n = 0; n < N; n++) y_part[b * N + n] += x[b * K + k] * widen(W[k * N + n], bf16);
+    }
+    for (int64_t i = 0; i < B * N; i++) {  // y = bias + the chunks' shares, in chunk order
+        float v = bias ? bias[i % N] : 0.0f;
+        for (int64_t c = 0; c < chunks; c++) v += part[c * B * N + i];
+        y[i] = v;
+    }
+}
+
+template <typename T>
+float dot(const float* x, const T* w, int64_t K, bool bf16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load<T>(w + k, bf16), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load<T>(w + k + 8, bf16), a1);
+    }
+    float s = hsum(_mm256_add_ps(a0, a1));
+    for (; k < K; k++) s += x[k] * widen(w[k], bf16);
+    return s;
+}
+
+template <typename T>
+void rows(const float* x, int64_t B, int64_t K, const T* W, int64_t N, const float* bias, float* y, int threads,
+          bool bf16) {
+    const int64_t chunks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r0 = c * ROWS, r1 = r0 + ROWS < N ? r0 + ROWS : N;
+        int64_t r = r0;
+        if (K % 8 == 0) {
+            for (; r + 4 <= r1; r += 4) {  // four rows at a time: four independent sums per x row
+                const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+                for (int64_t b = 0; b < B; b++) {
+                    const float* xb = x + b * K;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int64_t k = 0; k < K; k += 8) {
+                        __m256 xv = _mm256_loadu_ps(xb + k);
+                        a0 = _mm256_fmadd_ps(xv, load<T>(w0 + k, bf16), a0);
+                        a1 = _mm256_fmadd_ps(xv, load<T>(w1 + k, bf16), a1);
+                        a2 = _mm256_fmadd_ps(xv, load<T>(w2 + k, bf16), a2);
+                        a3 = _mm256_fmadd_ps(xv, load<T>(w3 + k, bf16), a3);
+                    }
+                    float* yb = y + b * N + r;
+                    yb[0] = hsum(a0) + (bias ? bias[r] : 0.0f);
+                    yb[1] = hsum(a1) + (bias ? bias[r + 1] : 0.0f);
+                    yb[2] = hsum(a2) + (bias ? bias[r + 2] : 0.0f);
+                    yb[3] = hsum(a3) + (bias ? bias[r + 3] : 0.0f);
+                }
+            }
+        }
+        for (; r < r1; r++)
+            for (int64_t b = 0; b < B; b++) y[b * N + r] = dot(x + b * K, W + r * K, K, bf16) + (bias ? bias[r] : 0.0f);
+    }
+}
+
+// 32 int8 products summed in int32, eight lanes: |x| (0..127, as u8) times w with x's sign
+inline __m256i dot32(__m256i xq, __m256i wq) {
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(wq, xq));  // |products| < 2^15
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+}  // namespace
+
+extern "C" {
+
+int gpt2attn_abi_version() { return 1; }
+
+// The sum of n floats, read on `threads` threads: the machine's read rate, for the benchmarks.
+float gpt2attn_read_sum(const float* p, int64_t n, int threads) {
+    float total = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        int64_t i0, i1;
+        slice(n, omp_get_num_threads(), omp_get_thread_num(), 32, &i0, &i1);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t i = i0;
+        for (; i + 32 <= i1; i += 32) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+            a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+            a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+        }
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; i < i1; i++) s += p[i];
+        total += s;
+    }
+    return total;
+}
+
+void gpt2attn_cols_f32(const float* x, int64_t B, int64_t K, const float* W, int64_t N, const float* bias, float* y,
+                       int threads) {
+    cols<float>(x, B, K, W, N, bias, y, threads, false);
+}
+void gpt2attn_cols_16(const float* x, int64_t B, int64_t K, const uint16_t* W, int64_t N, const float* bias, float* y,
+                      int threads, int bf16) {
+    cols<uint16_t>(x, B, K, W, N, bias, y, threads, bf16 != 0);
+}
+void gpt2attn_rows_f32(const float* x, int64_t B, int64_t K, const float* W, int64_t N, const float* bias, float* y,
+                       int threads) {
+    rows<float>(x, B, K, W, N, bias, y, threads, false);
+}
+void gpt2attn_rows_16(const float* x, int64_t B, int64_t K, const uint16_t* W, int64_t N, const float* bias, float* y,
+                      int threads, int bf16) {
+    rows<uint16_t>(x, B, K, W, N, bias, y, threads, bf16 != 0);
+}
+
+// x (B, K), K a multiple of 32 -> xq (B, K) int8 and xs (B, K/32): per block scale = max|x|/127,
+// xq = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
+void gpt2attn_quantize_q8(const float* x, int64_t B, int64_t K, int8_t* xq, float* xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t j = 0; j < B * K / 32; j++) {
+        const float* p = x + j * 32;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float scale = _mm_cvtss_f32(h) / 127.0f;
+        xs[j] = scale;
+        __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i a = _mm256_packs_epi32(q[0], q[1]), b = _mm256_packs_epi32(q[2], q[3]);  // lanes interleaved
+        __m256i v = _mm256_packs_epi16(a, b);
+        v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(xq + j * 32), v);
+    }
+}
+
+// y (B, N) = (xq·xs) (B, K) · (Wq (N, K) · ws (N,))ᵀ + bias; K a multiple of 32
+void gpt2attn_rows_q8(const int8_t* xq, const float* xs, int64_t B, int64_t K, const int8_t* W, const float* ws,
+                      int64_t N, const float* bias, float* y, int threads) {
+    const int64_t nb = K / 32, chunks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r0 = c * ROWS, r1 = r0 + ROWS < N ? r0 + ROWS : N;
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            const int8_t *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+            for (int64_t b = 0; b < B; b++) {
+                const int8_t* xb = xq + b * K;
+                const float* sb = xs + b * nb;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < nb; j++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i*)(xb + 32 * j));
+                    __m256 s = _mm256_set1_ps(sb[j]);
+                    a0 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot32(xv, _mm256_loadu_si256((const __m256i*)(w0 + 32 * j)))), a0);
+                    a1 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot32(xv, _mm256_loadu_si256((const __m256i*)(w1 + 32 * j)))), a1);
+                    a2 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot32(xv, _mm256_loadu_si256((const __m256i*)(w2 + 32 * j)))), a2);
+                    a3 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot32(xv, _mm256_loadu_si256((const __m256i*)(w3 + 32 * j)))), a3);
+                }
+                float* yb = y + b * N + r;
+                yb[0] = hsum(a0) * ws[r] + (bias ? bias[r] : 0.0f);
+                yb[1] = hsum(a1) * ws[r + 1] + (bias ? bias[r + 1] : 0.0f);
+                yb[2] = hsum(a2) * ws[r + 2] + (bias ? bias[r + 2] : 0.0f);
+                yb[3] = hsum(a3) * ws[r + 3] + (bias ? bias[r + 3] : 0.0f);
+            }
+        }
+        for (; r < r1; r++)
+            for (int64_t b = 0; b < B; b++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t j = 0; j < nb; j++)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(xs[b * nb + j]),
+                                        _mm256_cvtepi32_ps(dot32(_mm256_loadu_si256((const __m256i*)(xq + b * K + 32 * j)),
+                                                                 _mm256_loadu_si256((const __m256i*)(W + r * K + 32 * j)))),
+                                        a);
+                y[b * N + r] = hsum(a) * ws[r] + (bias ? bias[r] : 0.0f);
+            }
+    }
+}
+
+}  // extern "C"

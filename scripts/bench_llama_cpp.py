@@ -1,0 +1,202 @@
+"""CPU decoding and prefill, ours vs llama.cpp on the same weights, against the machine's read rate.
+
+    python scripts/bench.py generate --llama-cpp PATH/TO/llama-bench [--rounds 5] [--threads 2]
+                                     [--prompt 32] [--new 64] [--prefill 128,512] [--only fp32,fp16,bf16,int8]
+
+gpt2-small shapes, random weights (seed 0), eval. Each precision of ours (`model.quantize(mode)`)
+is paired with a GGUF file of the same weights written by gpt2attn.formats.gguf (with a synthetic
+byte-level BPE vocabulary of 50257 tokens, which llama.cpp needs to load a file):
+fp32 ~ f32, fp16 ~ f16, bf16 ~ bf16, int8 ~ q8_0. In every round, for every precision in turn:
+llama.cpp's llama-bench (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
+before ours runs, so its spinning threads never meet torch's), then ours: greedy generate of NEW
+tokens after a PROMPT-token prompt at batch 1 (timed whole, prompt included) and a forward of
+each PREFILL length keeping the last position's logits (as generate's first step); then the read
+rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum and torch's
+sum, the faster counts). Prints per precision the medians over rounds (min-max in brackets),
+ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
+(the weight matrices in that precision; KV cache and embedding rows left out).
+The rows also come out as one JSON line (`RESULTS {...}`), and `run()` returns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_common import machine_line
+
+from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
+from gpt2attn.formats import gguf
+
+PAIRS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0"}
+# (bytes per weight, bytes per matrix row) read by each: q8_0 holds 32 int8 and one fp16 scale per
+# block, our int8 one fp32 scale per row
+BYTES = {"fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2.0, 0.0), "int8": (1.0, 4.0),
+         "f32": (4.0, 0.0), "f16": (2.0, 0.0), "q8_0": (34 / 32, 0.0)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py generate --llama-cpp")
+    parser.add_argument("--llama-cpp", required=True, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--prefill", default="128,512", help="comma-separated prompt lengths for prefill")
+    parser.add_argument("--only", default=",".join(PAIRS), help="comma-separated precisions: " + ", ".join(PAIRS))
+    args = parser.parse_args(argv)
+    rows = run(args)
+    print("RESULTS " + json.dumps(rows))
+    return 0
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A byte-level BPE of vocab_size tokens: the 256 byte characters, then pairs of them, then
+    <|endoftext|> (llama.cpp loads no GPT-2 file without a vocabulary; the benchmark feeds ids)."""
+    from gpt2attn.tokenizer import _byte_level_alphabet, byte_level_bpe
+
+    alphabet = sorted(_byte_level_alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) == vocab_size - 1:
+                break
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return byte_level_bpe(vocab, merges)
+
+
+def llama_bench(binary: str, path: Path, args) -> dict[str, float]:
+    """tok/s of one llama-bench call: {'decode': tg NEW, 'prefill T': pp T for each T}."""
+    cmd = [binary, "-m", str(path), "-p", args.prefill, "-n", str(args.new), "-t", str(args.threads),
+           "-r", "2", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    out = {}
+    for test in json.loads(done.stdout):
+        key = "decode" if test["n_gen"] else f"prefill {test['n_prompt']}"
+        out[key] = test["avg_ts"]
+    return out
+
+
+def matrix_bytes(model: GPT2LMHeadModel, per_weight: float, per_row: float = 0.0) -> float:
+    """Bytes of every matrix a decoding step reads (the blocks' four and the head)."""
+    cfg = model.config
+    shapes = [(cfg.n_embd, 3 * cfg.n_embd), (cfg.n_embd, cfg.n_embd), (cfg.n_embd, cfg.inner_dim),
+              (cfg.inner_dim, cfg.n_embd)]
+    total = sum(i * o * per_weight + o * per_row for i, o in shapes) * cfg.n_layer
+    return total + cfg.vocab_size * cfg.n_embd * per_weight + cfg.vocab_size * per_row
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run(args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    modes = args.only.split(",")
+    lengths = [int(t) for t in args.prefill.split(",")]
+    torch.manual_seed(0)
+    cfg = GPT2Config.from_preset("gpt2")
+    fp32 = GPT2LMHeadModel(cfg).eval()
+    state = fp32.state_dict()
+    print(machine_line() + f"; {_cpu_name()}; {datetime.datetime.now().isoformat(timespec='minutes')}")
+    print(f"kernels: {'gpt2attn.kernels (AVX2/FMA/F16C)' if kernels.available() else 'plain torch (no kernels)'}")
+    ours, files = {}, {}
+    tmp = tempfile.TemporaryDirectory()
+    tokenizer = synthetic_tokenizer(cfg.vocab_size)
+    for mode in modes:
+        model = GPT2LMHeadModel(cfg).eval()
+        model.load_state_dict(state)
+        ours[mode] = model.quantize(mode)
+        files[mode] = Path(tmp.name) / f"gpt2-{PAIRS[mode]}.gguf"
+        gguf.write(files[mode], state, cfg, dtype=PAIRS[mode], tokenizer=tokenizer)
+    buffer = torch.randn(int(matrix_bytes(fp32, 4.0)) // 4)
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=g)
+    long = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=g) for t in lengths}
+    keys = ["decode"] + [f"prefill {t}" for t in lengths]
+    results = {(mode, side, key): [] for mode in modes for side in ("ours", "llama.cpp") for key in keys}
+    read_rates = []
+    with torch.inference_mode():
+        same = {mode: torch.equal(ours[mode].generate(prompt, max_new_tokens=args.new, eos_token_id=None),
+                                  fp32.generate(prompt, max_new_tokens=args.new, eos_token_id=None))
+                for mode in modes}
+        for r in range(args.rounds):
+            for mode in modes:
+                for key, value in llama_bench(args.llama_cpp, files[mode], args).items():
+                    results[(mode, "llama.cpp", key)].append(value)
+                model = ours[mode]
+                model.generate(prompt, max_new_tokens=4, eos_token_id=None)  # warm
+                t = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
+                results[(mode, "ours", "decode")].append(args.new / t)
+                for length, ids in long.items():
+                    t = best_of(lambda: model.lm_head(model.transformer(ids).last_hidden_state[:, -1]), 2)
+                    results[(mode, "ours", f"prefill {length}")].append(length / t)
+            t_ours = best_of(lambda: kernels.read_sum(buffer), 5)
+            t_torch = best_of(lambda: buffer.sum(), 5)
+            read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch))
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    tmp.cleanup()
+
+    rate = statistics.median(read_rates)
+    print(f"read rate: {rate / 1e9:.1f} GB/s (median of {len(read_rates)}, "
+          f"{min(read_rates) / 1e9:.1f}-{max(read_rates) / 1e9:.1f}), {args.threads} threads")
+    print(f"gpt2-small, batch 1, prompt {args.prompt}, {args.new} new tokens; prefill keeps the last position's "
+          f"logits; medians of {args.rounds} rounds [min-max]")
+    head = (f"| precision | decode tok/s | vs llama.cpp | of limit | " +
+            " | ".join(f"prefill {t} tok/s | vs llama.cpp" for t in lengths) + " | tokens = fp32 |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    rows = []
+    for mode in modes:
+        for side, kind in (("ours", mode), ("llama.cpp", PAIRS[mode])):
+            nbytes = matrix_bytes(fp32, *BYTES[kind])
+            row = {"precision": mode, "engine": side, "format": kind, "bytes_per_token": nbytes,
+                   "read_rate_gb_s": rate / 1e9, "threads": args.threads}
+            for key in keys:
+                values = results[(mode, side, key)]
+                row[key.replace(" ", "_") + "_tok_s"] = statistics.median(values)
+                row[key.replace(" ", "_") + "_range"] = [min(values), max(values)]
+            row["fraction_of_limit"] = row["decode_tok_s"] / (rate / nbytes)
+            rows.append(row)
+        o, l = rows[-2], rows[-1]
+        cells = [f"{'ours ' + mode:>10}", _cell(o, "decode"), f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x",
+                 f"{o['fraction_of_limit']:.0%}"]
+        cells += [c for t in lengths for c in (_cell(o, f"prefill {t}"),
+                  f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x")]
+        print("| " + " | ".join(cells + [str(same[mode])]) + " |")
+        cells = [f"{'llama.cpp ' + l['format']:>10}", _cell(l, "decode"), "", f"{l['fraction_of_limit']:.0%}"]
+        cells += [c for t in lengths for c in (_cell(l, f"prefill {t}"), "")]
+        print("| " + " | ".join(cells + [""]) + " |")
+    return rows
+
+
+def _cell(row: dict, key: str) -> str:
+    key = key.replace(" ", "_")
+    lo, hi = row[key + "_range"]
+    return f"{row[key + '_tok_s']:.1f} [{lo:.0f}-{hi:.0f}]"
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor()
