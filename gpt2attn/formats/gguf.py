@@ -204,11 +204,16 @@ def read_config(file: GGUFFile) -> GPT2Config:
         n_layer=int(file.field("gpt2.block_count")),
         n_head=int(file.field("gpt2.attention.head_count")),
         n_inner=None if ff == 4 * n_embd else ff,
-        layer_norm_epsilon=float(file.field("gpt2.attention.layer_norm_epsilon", 1e-5)),
+        layer_norm_epsilon=_shortest_float32(file.field("gpt2.attention.layer_norm_epsilon", 1e-5)),
         bos_token_id=int(file.field("tokenizer.ggml.bos_token_id", 50256)),
         eos_token_id=int(file.field("tokenizer.ggml.eos_token_id", 50256)),
         activation_function="gelu_new",
     )
+
+
+def _shortest_float32(value: float) -> float:
+    """A float32 field as the shortest decimal that rounds to it: 1e-06 as written, not 9.99999997e-07."""
+    return float(str(np.float32(value)))
 
 
 def our_name(name: str) -> str | None:
