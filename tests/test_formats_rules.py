@@ -191,8 +191,8 @@ def test_a_legacy_pickled_pytorch_model_bin_is_not_llmc(tmp_path):
     assert not path.read_bytes().startswith(b"PK")
     assert not llmc.detect(path)
     assert detect_format(path) is hf
-    assert_same_weights(GPT2LMHeadModel.from_pretrained(path, config=model.config), model)
     model.config.save_pretrained(folder)
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(path), model)
     assert detect_format(folder) is hf
     assert_same_weights(GPT2LMHeadModel.from_pretrained(folder), model)
 
@@ -240,3 +240,65 @@ def test_gguf_module_reads_its_own_suffix(tmp_path):
     path = tmp_path / "m.gguf"
     save(model_of(), path)
     assert ours_gguf.detect(path) and detect_format(path) is ours_gguf
+
+
+# --- llm.c: what the writer accepts and refuses (found by mutation testing) -------------------------
+
+
+def test_llmc_round_trips_one_layer_one_head_and_says_the_head_is_tied(tmp_path):
+    model = model_of(n_layer=1, n_head=1)
+    save(model, tmp_path / "m.bin", dtype="fp32")
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "m.bin")
+    assert (back.config.n_layer, back.config.n_head) == (1, 1)
+    assert back.config.tie_word_embeddings is True and back.lm_head.weight is back.transformer.wte.weight
+    assert_same_weights(back, model)
+
+
+@pytest.mark.parametrize("change", [dict(activation_function="gelu_pytorch_tanh"), dict(n_inner=128)],
+                         ids=["gelu_pytorch_tanh", "n_inner=4C"])
+def test_llmc_writes_what_llmc_computes_alike(tmp_path, change):
+    model = model_of(**change)  # n_embd 32: 4C = 128
+    save(model, tmp_path / "m.bin", dtype="fp32")
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(tmp_path / "m.bin"), model)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(n_inner=160), "n_inner 160"),
+    (dict(scale_attn_weights=False), "scale_attn_weights"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(add_cross_attention=True), "add_cross_attention"),
+])
+def test_llmc_refuses_what_llmc_computes_otherwise_naming_file_and_field(tmp_path, change, field):
+    with pytest.raises(ValueError) as error:
+        save(model_of(**change), tmp_path / "m.bin", dtype="fp32")
+    assert "m.bin" in str(error.value) and field in str(error.value)
+    if "n_inner" in change:
+        assert "128" in str(error.value)  # what llm.c's MLP is: 4 * n_embd
+    assert not (tmp_path / "m.bin").exists()
+
+
+def test_llmc_write_takes_a_state_dict_without_lm_head_and_names_what_is_missing(tmp_path):
+    model = model_of()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    llmc.write(tmp_path / "m.bin", state, model.config)
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(tmp_path / "m.bin"), model)
+    del state["transformer.h.1.ln_2.bias"], state["transformer.wpe.weight"]
+    with pytest.raises(ValueError) as error:
+        llmc.write(tmp_path / "n.bin", state, model.config)
+    assert "n.bin" in str(error.value)
+    assert "transformer.wpe.weight, transformer.h.1.ln_2.bias" in str(error.value)
+
+
+def test_llmc_write_names_a_tensor_of_the_wrong_shape_in_conv1d_orientation(tmp_path):
+    model = model_of()
+    state = dict(model.state_dict())
+    state["transformer.h.0.attn.c_attn.weight"] = torch.zeros(32, 95)  # Conv1D (in, out) is (32, 96)
+    with pytest.raises(ValueError) as error:
+        llmc.write(tmp_path / "m.bin", state, model.config)
+    message = str(error.value)
+    assert "m.bin" in message and "transformer.h.0.attn.c_attn.weight" in message
+    assert "(32, 95)" in message and "(32, 96)" in message
+    state = dict(model.state_dict())
+    state["transformer.ln_f.bias"] = torch.zeros(31)
+    with pytest.raises(ValueError, match=r"transformer.ln_f.bias has shape \(31,\).*\(32,\)"):
+        llmc.write(tmp_path / "m.bin", state, model.config)
