@@ -74,7 +74,6 @@ def test_explore_embeds_page_data_the_name_and_escapes_script_ends(char_model):
     assert data.pop("model") == name
     assert data == expected
     assert len(data["steps"]["tokens"]) == 3  # generate=3 reaches page_data
-    assert explore(model, tok, EXPLORE_TEXT).html.count(",\"") > 10  # compact JSON, as the page parses it
     assert json.loads(embedded_data(explore(model, tok, EXPLORE_TEXT).html))["model"] == ""
 
 
