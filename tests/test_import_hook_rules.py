@@ -122,13 +122,26 @@ def test_a_spec_without_loader_passes_through(stand_ins, monkeypatch):
 
 
 def test_then_bridge_delegates_module_creation():
-    made = object()
-
     class Loader(importlib.abc.Loader):
         def create_module(self, spec):
-            return made
+            return ("made for", spec)
 
-    assert hooks._ThenBridge(Loader(), BRIDGE).create_module(ModuleSpec("x", None)) is made
+    spec = ModuleSpec("x", None)
+    assert hooks._ThenBridge(Loader(), BRIDGE).create_module(spec) == ("made for", spec)
+
+
+def test_a_watched_submodule_is_found_in_its_package_and_bridged(stand_ins, monkeypatch):
+    """transformers.trainer is a submodule: its spec is found on the package's __path__."""
+    (stand_ins / CLIENT / "sub.py").write_text("ready = True\n")
+    monkeypatch.delitem(hooks.BRIDGES, CLIENT)
+    monkeypatch.setitem(hooks.BRIDGES, f"{CLIENT}.sub", BRIDGE)
+    (stand_ins / f"{BRIDGE}.py").write_text(f"import sys\nsys.modules['{CLIENT}.sub'].bridged = True\n")
+    importlib.invalidate_caches()
+    hooks.install()
+    sub = importlib.import_module(f"{CLIENT}.sub")
+    assert sub.bridged is True and sub.__loader__ is sub.__spec__.loader
+    assert type(sub.__loader__) is importlib.machinery.SourceFileLoader
+    sys.modules.pop(f"{CLIENT}.sub", None)
 
 
 @pytest.mark.slow
