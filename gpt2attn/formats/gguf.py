@@ -256,7 +256,7 @@ def read_config(file: GGUFFile) -> GPT2Config:
             n_layer=file.integer("gpt2.block_count", limit="n_layer"),
             n_head=file.integer("gpt2.attention.head_count", limit="n_head"),
             n_inner=None if ff == 4 * n_embd else ff,
-            layer_norm_epsilon=file.number("gpt2.attention.layer_norm_epsilon", 1e-5),
+            layer_norm_epsilon=_shortest_float32(file.number("gpt2.attention.layer_norm_epsilon", 1e-5)),
             bos_token_id=file.integer("tokenizer.ggml.bos_token_id", 50256),
             eos_token_id=file.integer("tokenizer.ggml.eos_token_id", 50256),
             activation_function="gelu_new",
@@ -265,6 +265,11 @@ def read_config(file: GGUFFile) -> GPT2Config:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(file.path, f"the config its gpt2.* metadata gives: {e}") from None
+
+
+def _shortest_float32(value: float) -> float:
+    """A float32 field as the shortest decimal that rounds to it: 1e-06 as written, not 9.99999997e-07."""
+    return float(str(np.float32(value)))
 
 
 def our_name(name: str) -> str | None:

@@ -218,12 +218,15 @@ class _Prompt:
         if cfg.max_new_tokens is not None:
             n_new = cfg.max_new_tokens
         elif cfg.max_length is not None:
-            n_new = cfg.max_length - (ids.size(1) if embeds is None else n_fed)
+            # counted as transformers counts: the ids out starts with (cached ones included) and
+            # the embedded positions, unless those ids are the embeddings' own tokens
+            counted = ids.size(1) if embeds is None or ids.size(1) == n_fed else ids.size(1) + n_fed
+            n_new = cfg.max_length - counted
         else:
             n_new = 20  # transformers' default when neither is set
         if n_new < 1:
             raise ValueError(f"max_length={cfg.max_length} leaves no room after the prompt of "
-                             f"{ids.size(1) if embeds is None else n_fed} tokens: set max_new_tokens")
+                             f"{counted} tokens: set max_new_tokens")
         capacity = T_all + n_new
         if capacity > mcfg.n_positions:
             raise ValueError(

@@ -1,0 +1,235 @@
+"""Mutation testing with mutmut: plant one small bug at a time, run the tests that cover it.
+
+    python scripts/mutation.py gpt2attn/interop/hooks.py        # one module
+    python scripts/mutation.py gpt2attn/formats                 # a package, file by file
+    python scripts/mutation.py --base main                      # the files this branch changes
+    python scripts/mutation.py gpt2attn/formats --rev fa5d0e6   # the same, at an older commit
+
+A mutant is "killed" when at least one test fails (or runs past its time limit) with the bug in
+place, and "survived" when every test still passes. The score of a file is killed / (killed +
+survived), where "survived" includes mutants in functions no selected test runs ("no tests").
+
+How it stays within minutes on two cores:
+- The code and tests are copied to a scratch folder first (from the working tree, or from `--rev`
+  with `git archive`), so mutmut never touches the checkout and you may keep editing.
+- Only the test files that exercise the target modules run (TEST_MAP below; `--tests` overrides).
+  mutmut then traces that subset once and, for each mutant, runs only the tests that entered the
+  mutated function.
+- Each mutant's tests get a CPU-time limit of (their clean run time + 1 s) x --timeout-factor x 2;
+  `--jobs` workers (default 2) run mutants side by side.
+
+Needs the `dev` extra: pip install -e ".[test,dev]".  The per-file table goes to stdout and to
+<workdir>/summary.json; the surviving mutants' diffs to <workdir>/survivors.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Which test files exercise which part of the package (the longest matching prefix wins; a module
+# with no entry gets the test files that import it by name).
+TEST_MAP = {
+    "gpt2attn/formats/gguf.py": ["tests/test_formats_gguf.py", "tests/test_formats_rules.py"],
+    "gpt2attn/formats/llmc.py": ["tests/test_formats_llmc.py", "tests/test_formats_rules.py"],
+    "gpt2attn/formats/": [
+        "tests/test_formats_gguf.py", "tests/test_formats_llmc.py", "tests/test_files.py",
+        "tests/test_checkpoint.py", "tests/test_bad_inputs_loading.py", "tests/test_tf_checkpoint.py",
+        "tests/test_formats_rules.py",
+    ],
+    "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py"],
+    "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
+    "gpt2attn/interop/hooks.py": ["tests/test_import_hooks.py", "tests/test_import_hook_rules.py"],
+    "gpt2attn/generation/": [
+        "tests/test_generation.py", "tests/test_generation_exact.py",
+        "tests/test_generation_processors.py", "tests/test_bad_inputs_generate.py",
+        "tests/test_generation_max_length.py",
+    ],
+}
+
+# mutmut's exit codes, grouped the way the score counts them.
+KILLED = {1, 3, 24, -24, 152, 255, 36, 37}  # a test failed, pytest crashed, or the time limit hit
+SURVIVED = {0, 5, 33}  # every test passed, or no test ran the mutated function
+SKIPPED = {34}
+
+
+def target_files(paths: list[str], base: str | None) -> list[str]:
+    """The package's .py files named by `paths` (files or folders) or changed since `base`."""
+    if base:
+        out = subprocess.run(["git", "diff", "--name-only", base, "--", "gpt2attn"], cwd=REPO,
+                             check=True, capture_output=True, text=True).stdout
+        paths = paths + out.split()
+    files = []
+    for p in paths:
+        full = REPO / p
+        if full.is_dir():
+            files += [str(f.relative_to(REPO)) for f in sorted(full.rglob("*.py"))]
+        elif p.endswith(".py") and p.startswith("gpt2attn/"):
+            files.append(p)
+    return sorted(set(files))
+
+
+def tests_for(files: list[str], root: Path) -> list[str]:
+    """The test files under `root` that exercise `files`."""
+    tests: set[str] = set()
+    for f in files:
+        prefixes = [k for k in TEST_MAP if f.startswith(k)]
+        if prefixes:
+            tests.update(TEST_MAP[max(prefixes, key=len)])
+            continue
+        dotted = f[:-3].replace("/", ".").removesuffix(".__init__")
+        stem = dotted.rsplit(".", 1)[-1]
+        for t in sorted((root / "tests").glob("test_*.py")):
+            text = t.read_text()
+            if dotted in text or f"import {stem}" in text:
+                tests.add(f"tests/{t.name}")
+    return sorted(t for t in tests if (root / t).exists())
+
+
+def populate(workdir: Path, rev: str | None) -> None:
+    """Copy the package, tests, configs and pyproject.toml into `workdir` (at `rev` if given)."""
+    parts = ["gpt2attn", "tests", "configs", "pyproject.toml"]
+    if rev:
+        archive = subprocess.run(["git", "archive", rev, *parts], cwd=REPO, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
+        return
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", *parts], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout.split()
+    for name in listed:
+        if (REPO / name).is_file():
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, workdir / name)
+
+
+def toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def configure(workdir: Path, files: list[str], tests: list[str], timeout_factor: float,
+              pytest_args: list[str]) -> None:
+    """Append a [tool.mutmut] table to the copied pyproject.toml."""
+    pyproject = workdir / "pyproject.toml"
+    text = pyproject.read_text()
+    if "[tool.mutmut]" in text:
+        sys.exit("pyproject.toml already has a [tool.mutmut] table; this script writes its own")
+    pyproject.write_text(text + f"""
+[tool.mutmut]
+source_paths = ["gpt2attn"]
+only_mutate = {toml_list(files)}
+also_copy = ["configs"]
+pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-x", "-q", *pytest_args])}
+pytest_add_cli_args_test_selection = {toml_list(tests)}
+timeout_multiplier = {timeout_factor}
+process_isolation = "forkserver"
+""")
+
+
+def mutant_names(workdir: Path, file: str) -> list[str]:
+    meta = workdir / "mutants" / (file + ".meta")
+    return list(json.loads(meta.read_text())["exit_code_by_key"]) if meta.exists() else []
+
+
+def tally(workdir: Path, files: list[str], sample: set[str] | None) -> dict[str, dict]:
+    """Per file: killed, survived (names), skipped, read from mutmut's .meta files."""
+    no_test_at_all = "could not find any test case for any mutant" in (workdir / "mutmut.log").read_text()
+    table = {}
+    for f in files:
+        meta = workdir / "mutants" / (f + ".meta")
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        if sample is not None:
+            codes = {name: code for name, code in codes.items() if name in sample}
+        if no_test_at_all:  # mutmut stopped before running any: none was reached by a test
+            codes = {name: 33 for name in codes}
+        killed = sorted(k for k, c in codes.items() if c in KILLED)
+        survived = sorted(k for k, c in codes.items() if c in SURVIVED)
+        other = sorted(k for k, c in codes.items() if c not in KILLED | SURVIVED | SKIPPED)
+        counted = len(killed) + len(survived)
+        table[f] = {
+            "mutants": len(codes), "killed": len(killed), "survived": survived, "other": other,
+            "score": round(100 * len(killed) / counted, 1) if counted else None,
+        }
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", help="files or folders under gpt2attn/ to mutate")
+    ap.add_argument("--base", help="also mutate the gpt2attn/ files changed since this git ref")
+    ap.add_argument("--rev", help="measure the code and tests of this commit instead of the working tree")
+    ap.add_argument("--tests", nargs="+", help="test files to run (default: TEST_MAP)")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants run side by side (default 2)")
+    ap.add_argument("--timeout-factor", type=float, default=5.0,
+                    help="time limit per mutant, in multiples of its tests' clean time (default 5)")
+    ap.add_argument("--sample", type=int, help="run only this many mutants, drawn at random (seeded)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    ap.add_argument("--pytest-args", default="",
+                    help='extra pytest arguments for every run, e.g. "-m \'not slow\'"')
+    ap.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one; kept)")
+    args = ap.parse_args()
+
+    files = target_files(args.paths, args.base)
+    if not files:
+        sys.exit("nothing to mutate: name files or folders under gpt2attn/, or --base with changes there")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2attn-mutation-"))
+    if workdir.exists() and any(workdir.iterdir()):
+        sys.exit(f"{workdir} is not empty; give a new --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    populate(workdir, args.rev)
+    tests = args.tests or tests_for(files, workdir)
+    if not tests:
+        sys.exit(f"no test file found for {files}; name them with --tests")
+    print(f"mutating {len(files)} file(s) with {len(tests)} test file(s) in {workdir}", flush=True)
+    print("  files:", " ".join(files), "\n  tests:", " ".join(tests), flush=True)
+    configure(workdir, files, tests, args.timeout_factor, shlex.split(args.pytest_args))
+    # The tests (and the subprocesses they start) must import the mutated copy, not the checkout or
+    # an editable install. The folder must exist before Python starts, or its import system
+    # remembers it as absent and never looks there.
+    (workdir / "mutants").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(workdir / "mutants"))
+    mutmut = shutil.which("mutmut") or sys.exit('mutmut is not installed: pip install -e ".[dev]"')
+    shared = REPO.parent / "shared" / "data"  # tests that need the project's shared data
+    if shared.is_dir():
+        env.setdefault("GPT2ATTN_SHARED_DATA", str(shared))
+    command = [mutmut, "run", "--max-children", str(args.jobs)]
+    with open(workdir / "mutmut.log", "w") as log:
+        if args.sample:
+            # Make the mutants and the test map without running any, then run a seeded sample.
+            subprocess.run([*command, "no-such-mutant*"], cwd=workdir, env=env, stdout=log,
+                           stderr=subprocess.STDOUT)
+            names = sorted(n for f in files for n in mutant_names(workdir, f))
+            command += random.Random(args.seed).sample(names, min(args.sample, len(names)))
+        run = subprocess.run(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    table = tally(workdir, files, set(command[4:]) if args.sample else None)
+    with open(workdir / "survivors.txt", "w") as out:
+        for row in table.values():
+            for name in row["survived"]:
+                diff = subprocess.run([mutmut, "show", name], cwd=workdir, env=env,
+                                      capture_output=True, text=True).stdout
+                out.write(diff + "\n")
+    (workdir / "summary.json").write_text(json.dumps(
+        {"rev": args.rev or "working tree", "tests": tests, "files": table}, indent=1))
+
+    print(f"\n{'file':44} {'mutants':>7} {'killed':>6} {'survived':>8} {'score':>6}")
+    for f, row in table.items():
+        score = "-" if row["score"] is None else f"{row['score']:.1f}%"
+        print(f"{f:44} {row['mutants']:7d} {row['killed']:6d} {len(row['survived']):8d} {score:>6}")
+        if row["other"]:
+            print(f"    not counted (suspicious/segfault/not run): {len(row['other'])}")
+    print(f"\nsurvivors' diffs: {workdir / 'survivors.txt'}   log: {workdir / 'mutmut.log'}")
+    if run.returncode != 0:
+        sys.exit(f"mutmut exited with {run.returncode}; see {workdir / 'mutmut.log'}")
+
+
+if __name__ == "__main__":
+    main()
