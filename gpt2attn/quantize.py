@@ -14,7 +14,7 @@ are int8, one scale per output channel, packed once for the CPU; each call quant
 to 8 bits with one scale and zero point for the whole input (7 bits with `reduce_range`, so AVX2's
 int16 pair sums cannot saturate), multiplies in int32 and returns fp32 with the bias added.
 Weight-only and dynamic-activation int8 were measured per layer shape of gpt2-small on this project's AVX2
-CPU (`python scripts/bench.py generate --quantize int8 --layers`; the table is in README.md): the
+CPU (`python scripts/bench.py generate --quantize int8 --layers`, which prints the per-layer table): the
 dynamic kernel was the fastest for every shape at 1, 8 and 512 rows (1.1-7x fp32; level with it
 only for the 768x768 projection at one row), while the weight-only kernels (torch's
 `_weight_int8pack_mm`, torchao 0.18's `Int8WeightOnlyConfig`) and torchao's dynamic
