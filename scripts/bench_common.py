@@ -84,7 +84,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_b
 
 def machine_facts() -> dict:
     """What a figure depends on: CPU model and the SIMD flags that pick torch's kernels, cores,
-    threads, torch and Python versions."""
+    threads, torch and Python versions, and how busy the machine was (read when the run ends)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -104,12 +104,13 @@ def machine_facts() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
+        "load_average_1min": round(os.getloadavg()[0], 2),  # others' work on a shared machine slows every contender
     }
 
 
 def write_results(bench: str, argv: list[str], rows: list[dict] | dict[str, list[dict]],
-                  started: datetime.datetime) -> Path:
-    """RESULTS_DIR/<bench>.json: the date, the machine, the command and the tables of this run."""
+                  started: datetime.datetime, results_dir: Path = RESULTS_DIR) -> Path:
+    """results_dir/<bench>.json: the date, the machine, the command and the tables of this run."""
     tables = rows if isinstance(rows, dict) else {"": rows}
     for caption, table in tables.items():
         if not table or not all(isinstance(row, dict) and row.keys() == table[0].keys() for row in table):
@@ -122,8 +123,8 @@ def write_results(bench: str, argv: list[str], rows: list[dict] | dict[str, list
         "machine": machine_facts(),
         "tables": tables,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{bench}.json"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{bench}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)

@@ -224,14 +224,36 @@ def test_readme_setup_lines_keep_the_form_ci_reads():
 # --- the benchmarks page and the site ------------------------------------------------------------------
 
 
-def test_benchmarks_page_is_rendered_from_the_result_files():
+def scripts_module(name: str):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import render_benchmarks
+        return __import__(name)
     finally:
         sys.path.remove(str(ROOT / "scripts"))
+
+
+def test_benchmarks_page_is_rendered_from_the_result_files():
+    render_benchmarks = scripts_module("render_benchmarks")
     page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     assert page == render_benchmarks.render(), "docs/benchmarks.md is stale: run python scripts/render_benchmarks.py"
+
+
+def test_a_bench_run_becomes_a_table_with_its_machine_date_and_command(tmp_path):
+    import datetime
+
+    bench_common, render_benchmarks = scripts_module("bench_common"), scripts_module("render_benchmarks")
+    started = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    rows = [{"case": "T=128", "gpt2attn ms": 1.5, "ratio": "1.10x"}, {"case": "T=512", "gpt2attn ms": 6.25, "ratio": "1.20x"}]
+    bench_common.write_results("forward", ["--repeats", "3"], rows, started, results_dir=tmp_path)
+    page = render_benchmarks.render(tmp_path)
+    facts = bench_common.machine_facts()
+    section = page.split("## forward")[1].split("\n## ")[0]
+    assert f"Run 2026-01-02T03:04:05+00:00 on {facts['cpu']}" in section and f"torch {facts['torch']}" in section
+    assert "`python scripts/bench.py forward --repeats 3`" in section
+    assert "| case | gpt2attn ms | ratio |" in section and "| T=512 | 6.25 | 1.20x |" in section
+    assert "**load**" in page.split("## Not yet recorded")[1]  # a bench without a result file is named, without figures
+    with pytest.raises(ValueError, match="same keys"):
+        bench_common.write_results("load", [], [{"a": 1}, {"b": 2}], started, results_dir=tmp_path)
 
 
 @pytest.mark.slow
