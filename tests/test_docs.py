@@ -173,7 +173,7 @@ def test_page_snippets_run(page: Path, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace: dict = {"__name__": "__docs__"}
-    made, skipped = set(), []
+    made, skipped, ran = set(), [], 0
     for block in blocks_of(page):
         if block.skip:
             skipped.append(f"line {block.line}: {block.skip}")
@@ -188,8 +188,10 @@ def test_page_snippets_run(page: Path, tmp_path, monkeypatch, capsys):
             run_python(block, namespace)
         else:
             run_bash(block, tmp_path)
-    with capsys.disabled():
-        for reason in skipped:  # skipped blocks are reported, never counted as run
+        ran += 1
+    with capsys.disabled():  # skipped blocks are reported, never counted as run
+        print(f"\n[{page.name}] {ran} blocks run, {len(skipped)} skipped", end="")
+        for reason in skipped:
             print(f"\n[{page.name}] block skipped, {reason}", end="")
 
 
