@@ -158,7 +158,7 @@ def run_bash(block: Block, cwd: Path) -> None:
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", MPLBACKEND="Agg",
                HF_HUB_OFFLINE="1")
     done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", without_installs(block.code)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (f"{block.page} line {block.line}: bash block failed ({done.returncode})\n"
                                   f"{block.code}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
 
