@@ -19,6 +19,7 @@ The rules (docs/contributing.md explains them to writers):
 from __future__ import annotations
 
 import ast
+import linecache
 import os
 import re
 import shutil
@@ -132,14 +133,17 @@ def check(value, expected_src: str, namespace: dict, where: str) -> None:
 
 def run_python(block: Block, namespace: dict) -> None:
     lines = block.code.split("\n")
-    tree = ast.parse(block.code, f"{block.page}:{block.line}")
+    filename = f"{block.page}, block at line {block.line}"
+    # Tracebacks, and libraries that read their caller's source back (nnsight's traces), find it here.
+    linecache.cache[filename] = (len(block.code), None, block.code.splitlines(True), filename)
+    tree = ast.parse(block.code, filename)
     for node in tree.body:
         where = f"{block.page} line {block.line + node.lineno}"
         expected = claimed(lines[node.end_lineno - 1]) if isinstance(node, ast.Expr) else None
         if expected is None:
-            exec(compile(ast.Module([node], []), where, "exec"), namespace)
+            exec(compile(ast.Module([node], []), filename, "exec"), namespace)
         else:
-            check(eval(compile(ast.Expression(node.value), where, "eval"), namespace), expected, namespace, where)
+            check(eval(compile(ast.Expression(node.value), filename, "eval"), namespace), expected, namespace, where)
 
 
 def without_installs(code: str) -> str:
