@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 
 from torch import Tensor, nn
 
-from .explore import Page, explore  # noqa: F401 (gpt2attn.inspect.explore, as the README shows)
+from .explore import Page, explore  # noqa: F401 (gpt2attn.inspect.explore, as docs/attention.md shows)
 from .layers import Block
 
 NAMES = (

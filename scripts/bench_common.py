@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -67,3 +71,61 @@ def machine_line() -> str:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
+
+
+# --- result files ----------------------------------------------------------------------------
+# A bench module's main(argv) returns its rows (a list of dicts, one table row each, the same keys
+# in every row), or several such tables as {caption: rows}; scripts/bench.py writes them with the facts below to RESULTS_DIR/<bench>.json, the
+# latest run per bench, and scripts/render_benchmarks.py turns those files into docs/benchmarks.md.
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "results"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd")
+
+
+def machine_facts() -> dict:
+    """What a figure depends on: CPU model and the SIMD flags that pick torch's kernels, cores,
+    threads, torch and Python versions, and how busy the machine was (read when the run ends)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "load_average_1min": round(os.getloadavg()[0], 2),  # others' work on a shared machine slows every contender
+    }
+
+
+def write_results(bench: str, argv: list[str], rows: list[dict] | dict[str, list[dict]],
+                  started: datetime.datetime, results_dir: Path = RESULTS_DIR) -> Path:
+    """results_dir/<bench>.json: the date, the machine, the command and the tables of this run."""
+    tables = rows if isinstance(rows, dict) else {"": rows}
+    for caption, table in tables.items():
+        if not table or not all(isinstance(row, dict) and row.keys() == table[0].keys() for row in table):
+            raise ValueError(f"bench {bench!r}, table {caption!r}: want a non-empty list of dicts with the same keys, "
+                             f"got {table!r}")
+    record = {
+        "bench": bench,
+        "date": started.isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "scripts/bench.py", bench, *argv]),
+        "machine": machine_facts(),
+        "tables": tables,
+    }
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{bench}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

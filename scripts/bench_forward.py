@@ -25,7 +25,7 @@ def forward_flops(cfg: GPT2Config, T: int) -> float:
     return cfg.n_layer * per_layer + 2 * T * C * cfg.vocab_size
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(prog="bench.py forward")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--repeats", type=int, default=10)
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
     print(machine_line())
     print(f"2048x2048 fp32 matmul: {peak:.1f} GFLOP/s")
     print(f"{'T':>5} {'ours ms':>9} {'hf sdpa ms':>11} {'hf eager ms':>12} {'sdpa/ours':>10} {'eager/ours':>11} {'ours GFLOP/s':>13} {'of matmul':>10}")
+    rows = []
     with torch.inference_mode():
         for T in args.lengths:
             ids = torch.randint(0, cfg.vocab_size, (1, T))
@@ -62,4 +63,10 @@ def main(argv: list[str]) -> int:
                 f"{T:>5} {t_ours * 1e3:>9.1f} {t_sdpa * 1e3:>11.1f} {t_eager * 1e3:>12.1f} "
                 f"{t_sdpa / t_ours:>9.2f}x {t_eager / t_ours:>10.2f}x {gflops:>13.1f} {gflops / peak:>9.0%}"
             )
-    return 0
+            rows.append({
+                "gpt2-small forward, B=1": f"T={T}", "gpt2attn ms": round(t_ours * 1e3, 1),
+                "transformers sdpa ms": round(t_sdpa * 1e3, 1), "transformers eager ms": round(t_eager * 1e3, 1),
+                "sdpa / ours": f"{t_sdpa / t_ours:.2f}x", "eager / ours": f"{t_eager / t_ours:.2f}x",
+                "ours, of a 2048² matmul's GFLOP/s": f"{gflops / peak:.0%}",
+            })
+    return rows

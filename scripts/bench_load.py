@@ -55,7 +55,7 @@ def run_child(lib: str, folder: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(prog="bench.py load")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -102,8 +102,18 @@ def main(argv: list[str]) -> int:
     gguf = med["gpt2attn gguf"]
     print(f"gpt2attn, F16 GGUF (tokenizer embedded) / safetensors: load {gguf['load'] / ours['load']:.2f}x "
           f"(target <= 2x), load+forward {gguf['load_forward'] / ours['load_forward']:.2f}x")
-    dequantize_speeds()
-    return 0
+    loading = [
+        {"gpt2-small (fp32, random weights), fresh process": {
+            "gpt2attn": "gpt2attn, safetensors folder", "transformers": "transformers, same folder",
+            "gpt2attn llm.c": "gpt2attn, llm.c gpt2_124M.bin (fp32)",
+            "gpt2attn gguf": "gpt2attn, F16 GGUF with tokenizer"}[lib],
+         "load s": round(med[lib]["load"], 3), "load + first forward s": round(med[lib]["load_forward"], 3),
+         "load / gpt2attn safetensors": f"{med[lib]['load'] / ours['load']:.2f}x",
+         "peak RSS / checkpoint bytes": round(med[lib]["rss_peak"] / ckpt_mib, 2)}
+        for lib in libs
+    ]
+    return {f"loading, median of {args.repeats} fresh processes each (imports not timed)": loading,
+            "dequantizing a 3072 x 768 weight read from a GGUF file": dequantize_speeds()}
 
 
 def gpt2_tokenizer():
@@ -113,7 +123,7 @@ def gpt2_tokenizer():
     return tokenizer_of(Path(__file__).resolve().parent.parent / "tests" / "data" / "gguf" / "tiny-f16.gguf")
 
 
-def dequantize_speeds(rows: int = 3072, cols: int = 768, repeats: int = 5) -> None:
+def dequantize_speeds(rows: int = 3072, cols: int = 768, repeats: int = 5) -> list[dict]:
     """Each GGML type we read: one gpt2-small MLP weight (3072 x 768) in a GGUF file, read back by
     GGUFFile.tensor (the path from_pretrained takes); median of `repeats`."""
     import time
@@ -125,6 +135,7 @@ def dequantize_speeds(rows: int = 3072, cols: int = 768, repeats: int = 5) -> No
 
     weights = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
     print(f"\ndequantizing a {rows} x {cols} weight (read from a GGUF file, to float32), median of {repeats}:")
+    table = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in READ_TYPES:
             kind = gguf.GGMLQuantizationType[name]
@@ -148,7 +159,10 @@ def dequantize_speeds(rows: int = 3072, cols: int = 768, repeats: int = 5) -> No
             seconds = statistics.median(times)
             print(f"  {name:>5}: {weights.nbytes / seconds / 1e6:8.0f} MB/s out, {data.nbytes / seconds / 1e6:7.0f} MB/s in"
                   f"  (target >= 200 MB/s)")
+            table.append({"GGML type": name, "MB/s of float32 out": round(weights.nbytes / seconds / 1e6),
+                          "MB/s of quantized bytes in": round(data.nbytes / seconds / 1e6)})
+    return table
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])  # prints only; scripts/bench.py load also writes the result file

@@ -306,3 +306,21 @@ def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native
     result = train(cfg)
     assert result["step"] == 2 and math.isfinite(result["val_loss"])
     assert entered == ([(torch.bfloat16, True)] if native else [(torch.float32, False)])
+
+
+def test_packaged_recipe_found_by_name_from_any_folder_and_a_path_still_accepted(tmp_path, monkeypatch):
+    """`gpt2attn train --config shakespeare_char_cpu` works outside the repository (and from a wheel)."""
+    from gpt2attn.training import find_recipe, packaged_recipes
+
+    by_path = load_config("configs/train/shakespeare_char_cpu.toml")
+    monkeypatch.chdir(tmp_path)
+    assert "shakespeare_char_cpu" in packaged_recipes()
+    assert load_config("shakespeare_char_cpu") == by_path
+    assert load_config("shakespeare_char_cpu.toml") == by_path
+    local = tmp_path / "shakespeare_char_cpu.toml"  # a file of that name in the folder wins over the packaged one
+    local.write_text("n_layer = 2\n")
+    assert find_recipe("shakespeare_char_cpu.toml").resolve() == local and load_config("shakespeare_char_cpu.toml").n_layer == 2
+    with pytest.raises(FileNotFoundError, match="packaged: shakespeare_char_cpu, shakespeare_char_default"):
+        load_config("no_such_recipe")
+    with pytest.raises(FileNotFoundError, match="no config file at sub/shakespeare_char_cpu.toml"):
+        load_config("sub/shakespeare_char_cpu.toml")  # a path is a path: no fallback to the packaged name

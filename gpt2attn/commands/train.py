@@ -9,7 +9,8 @@ TAKES_OVERRIDES = True
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="TOML recipe, e.g. configs/train/shakespeare_char_cpu.toml")
+    parser.add_argument("--config", help="a packaged recipe by name (shakespeare_char_cpu, shakespeare_char_default) "
+                        "or the path of a TOML file")
     parser.epilog = (
         "Every key of the recipe can be overridden: --data=PATH --out_dir=DIR --max_iters=500 "
         "--init_from=gpt2 --dtype=bfloat16 --compile --resume. Under torchrun it runs DDP (--fsdp for FSDP)."

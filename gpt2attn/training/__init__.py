@@ -8,8 +8,11 @@ Sits above the model and checkpoint files; nothing below imports it.
     loop.py         the loop: schedule, evaluation, checkpoints that appear whole, resuming
 """
 
-from .config import TrainConfig, load_config
+from .config import TrainConfig, find_recipe, load_config, packaged_recipes
 from .data import TokenData, prepare_data
 from .loop import latest_checkpoint, lr_at, read_metrics, train
 
-__all__ = ["TrainConfig", "TokenData", "latest_checkpoint", "load_config", "lr_at", "prepare_data", "read_metrics", "train"]
+__all__ = [
+    "TrainConfig", "TokenData", "find_recipe", "latest_checkpoint", "load_config", "lr_at", "packaged_recipes", "prepare_data",
+    "read_metrics", "train",
+]

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..config import _configs_dir
+
 
 @dataclass
 class TrainConfig:
@@ -69,14 +71,35 @@ class TrainConfig:
         return asdict(self)
 
 
+def packaged_recipes() -> list[str]:
+    """Names of the training recipes that ship with gpt2attn (configs/train/*.toml)."""
+    return sorted(p.stem for p in (_configs_dir() / "train").glob("*.toml"))
+
+
+def find_recipe(name_or_path: str | Path) -> Path:
+    """A recipe file: an existing path as given, else a packaged recipe of that name
+    (`shakespeare_char_cpu` or `shakespeare_char_cpu.toml`), from any folder and from a wheel."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    packaged = _configs_dir() / "train" / (path.stem + ".toml")
+    if path.name == str(name_or_path) and path.suffix in ("", ".toml") and packaged.is_file():
+        return packaged
+    raise FileNotFoundError(
+        f"no config file at {name_or_path}, and no packaged recipe of that name "
+        f"(packaged: {', '.join(packaged_recipes())})"
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults, then the TOML file's keys, then `--key=value` overrides (`--flag` means true)."""
+    """Defaults, then the recipe's keys, then `--key=value` overrides (`--flag` means true).
+
+    `path` is a TOML file or the name of a packaged recipe (see `packaged_recipes()`).
+    """
     names = {f.name: f for f in fields(TrainConfig)}
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no config file at {path}")
+        path = find_recipe(path)
         try:
             table = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
