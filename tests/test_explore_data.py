@@ -9,6 +9,7 @@ import base64
 import html
 import json
 import math
+import re
 import zlib
 
 import numpy as np
@@ -58,7 +59,9 @@ def test_thumbnails_are_each_heads_attention_max_pooled_to_0_255(char_model, tex
 
 
 def embedded_data(page_html: str) -> str:
+    """The JSON the page carries: the page is the template with its title named and /*DATA*/ filled."""
     before, after = TEMPLATE.read_text(encoding="utf-8").split("/*DATA*/")
+    page_html = re.sub(r"<title>[^<]*</title>", "<title>gpt2attn explore</title>", page_html, count=1)
     assert page_html.startswith(before) and page_html.endswith(after)
     return page_html[len(before) : len(page_html) - len(after)]
 
