@@ -85,13 +85,19 @@ def assert_same_run(ours, theirs) -> float:
     return worst
 
 
-def run_both(make_trainer):
-    logs = []
+def compare_runs(tmp_path, cls_name, make_trainer) -> list[dict[str, float]]:
+    """Train with make_trainer(0, folder) (our model) and make_trainer(1, folder) (transformers'):
+    every logged number agrees, and our checkpoint opens in both libraries. Returns our log."""
+    runs = []
     for side in (0, 1):
-        trainer = make_trainer(side)
+        trainer = make_trainer(side, tmp_path / str(side))
         trainer.train()
-        logs.append(per_step(trainer))
-    return logs, trainer
+        runs.append((trainer, per_step(trainer)))
+    (ours, log), (_, theirs) = runs
+    worst = assert_same_run(log, theirs)
+    print(f"{type(ours).__name__}: {len(log)} steps, max relative difference {worst:.2e}")
+    check_checkpoint(ours, tmp_path / "ckpt", cls_name)
+    return log
 
 
 def check_checkpoint(trainer_ours, folder, cls_name):
@@ -108,18 +114,9 @@ def check_checkpoint(trainer_ours, folder, cls_name):
 def test_sft_trainer(tmp_path):
     ours, hf, tok = twins("GPT2LMHeadModel")
     data = datasets.Dataset.from_dict({"text": ["hello world.", "to be or not to be", "abc abc abc", "the end!"] * 3})
-    trainers = []
-
-    def make(side):
-        trainer = trl.SFTTrainer(model=(ours, hf)[side], args=args(trl.SFTConfig, tmp_path / str(side), max_length=32),
-                                 train_dataset=data, processing_class=tok)
-        trainers.append(trainer)
-        return trainer
-
-    (a, b), _ = run_both(make)
-    worst = assert_same_run(a, b)
-    print(f"SFTTrainer: {len(a)} steps, max relative difference {worst:.2e}")
-    check_checkpoint(trainers[0], tmp_path / "ckpt", "GPT2LMHeadModel")
+    compare_runs(tmp_path, "GPT2LMHeadModel", lambda side, out: trl.SFTTrainer(
+        model=(ours, hf)[side], args=args(trl.SFTConfig, out, max_length=32), train_dataset=data,
+        processing_class=tok))
 
 
 def test_dpo_trainer(tmp_path):
@@ -129,22 +126,11 @@ def test_dpo_trainer(tmp_path):
         "chosen": [" blue.", " four.", " world!", " meow."] * 3,
         "rejected": [" green.", " five.", " moon?", " woof."] * 3,
     })
-    trainers = []
-
     references = copy.deepcopy(ours), copy.deepcopy(hf)  # (TRL would load one from the model's folder)
-
-    def make(side):
-        trainer = trl.DPOTrainer(model=(ours, hf)[side], ref_model=references[side],
-                                 args=args(trl.DPOConfig, tmp_path / str(side), max_length=32),
-                                 train_dataset=data, processing_class=tok)
-        trainers.append(trainer)
-        return trainer
-
-    (a, b), _ = run_both(make)
-    assert any("rewards/margins" in k for k in a[0])
-    worst = assert_same_run(a, b)
-    print(f"DPOTrainer: {len(a)} steps, max relative difference {worst:.2e}")
-    check_checkpoint(trainers[0], tmp_path / "ckpt", "GPT2LMHeadModel")
+    log = compare_runs(tmp_path, "GPT2LMHeadModel", lambda side, out: trl.DPOTrainer(
+        model=(ours, hf)[side], ref_model=references[side], args=args(trl.DPOConfig, out, max_length=32),
+        train_dataset=data, processing_class=tok))
+    assert any("rewards/margins" in k for k in log[0])
 
 
 def test_reward_trainer(tmp_path):
@@ -153,19 +139,9 @@ def test_reward_trainer(tmp_path):
         "chosen": ["a kind answer.", "four.", "blue sky", "yes, thanks!"] * 3,
         "rejected": ["rude!", "five?", "green sky", "no."] * 3,
     })
-    trainers = []
-
-    def make(side):
-        trainer = trl.RewardTrainer(model=(ours, hf)[side], args=args(trl.RewardConfig, tmp_path / str(side),
-                                                                      max_length=32),
-                                    train_dataset=data, processing_class=tok)
-        trainers.append(trainer)
-        return trainer
-
-    (a, b), _ = run_both(make)
-    worst = assert_same_run(a, b)
-    print(f"RewardTrainer: {len(a)} steps, max relative difference {worst:.2e}")
-    check_checkpoint(trainers[0], tmp_path / "ckpt", "GPT2ForSequenceClassification")
+    compare_runs(tmp_path, "GPT2ForSequenceClassification", lambda side, out: trl.RewardTrainer(
+        model=(ours, hf)[side], args=args(trl.RewardConfig, out, max_length=32), train_dataset=data,
+        processing_class=tok))
 
 
 def count_vowels(completions, **kwargs):
@@ -176,17 +152,8 @@ def count_vowels(completions, **kwargs):
 def test_grpo_trainer(tmp_path):
     ours, hf, tok = twins("GPT2LMHeadModel")
     data = datasets.Dataset.from_dict({"prompt": ["the sky is", "two and two", "hello", "cats say"] * 3})
-    trainers = []
-
-    def make(side):
-        config = args(trl.GRPOConfig, tmp_path / str(side), num_generations=2, max_completion_length=6)
-        trainer = trl.GRPOTrainer(model=(ours, hf)[side], reward_funcs=count_vowels, args=config,
-                                  train_dataset=data, processing_class=tok)
-        trainers.append(trainer)
-        return trainer
-
-    (a, b), _ = run_both(make)
-    assert any("reward" in k for k in a[0]) and all(math.isfinite(v) for v in a[0].values())
-    worst = assert_same_run(a, b)
-    print(f"GRPOTrainer: {len(a)} steps, max relative difference {worst:.2e}")
-    check_checkpoint(trainers[0], tmp_path / "ckpt", "GPT2LMHeadModel")
+    log = compare_runs(tmp_path, "GPT2LMHeadModel", lambda side, out: trl.GRPOTrainer(
+        model=(ours, hf)[side], reward_funcs=count_vowels,
+        args=args(trl.GRPOConfig, out, num_generations=2, max_completion_length=6), train_dataset=data,
+        processing_class=tok))
+    assert any("reward" in k for k in log[0]) and all(math.isfinite(v) for v in log[0].values())
