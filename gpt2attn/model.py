@@ -288,11 +288,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         """gpt2attn's GenerationConfig, or transformers' (kept as ours: the fields it sets)."""
         self.__dict__["_generation_config"] = as_generation_config(value)
 
-    def generate(self, input_ids: Tensor | None = None, generation_config: Any = None, assistant_model: Any = None,
-                 **kwargs: Any) -> Any:
+    def generate(self, input_ids: Tensor | None = None, generation_config: Any = None, stopping_criteria: Any = None,
+                 assistant_model: Any = None, **kwargs: Any) -> Any:
         """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
-        return generate(self, input_ids, generation_config=generation_config, assistant_model=assistant_model,
-                        **kwargs)
+        return generate(self, input_ids, generation_config=generation_config, stopping_criteria=stopping_criteria,
+                        assistant_model=assistant_model, **kwargs)
 
     def compute_transition_scores(self, sequences: Tensor, scores: tuple[Tensor, ...],
                                   beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:

@@ -234,3 +234,32 @@ def test_early_stopping_never_with_a_negative_length_penalty_bounds_by_the_curre
     ours, theirs = model.generate(prompt, **kw), hf.generate(prompt, **kw)
     assert torch.equal(ours.sequences, theirs.sequences)
     _close(ours.sequences_scores, theirs.sequences_scores)
+
+
+class StopAfterToken:
+    """A caller's stopping criterion, as transformers' StoppingCriteria are written: a row is done
+    once its last token is `token`."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3)], ids=["greedy", "beams"])
+def test_stopping_criteria_as_transformers(models, settings):
+    """generate(stopping_criteria=...) stops each row where transformers' generate stops it."""
+    from transformers import StoppingCriteriaList
+
+    model, hf = models
+    for ids, mask in _prompts().values():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **settings)
+        token = int(free[0, ids.size(1) + 3])  # one the unconstrained run emits, so the criterion fires
+        criteria = StoppingCriteriaList([StopAfterToken(token)])
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                              stopping_criteria=criteria, **settings)
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                             stopping_criteria=criteria, **settings)
+        assert torch.equal(ours, theirs)
+        assert ours.size(1) < free.size(1)  # the criterion cut the run short

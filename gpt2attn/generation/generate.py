@@ -57,6 +57,7 @@ def generate(
     generator: torch.Generator | None = None,
     stream: bool = False,
     tokenizer: Any = None,
+    stopping_criteria: Any = None,
     assistant_model: Any = None,
     **kwargs: Any,
 ) -> Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput | Iterator[Tensor]:
@@ -66,6 +67,8 @@ def generate(
     Returns the sequences [B * num_return_sequences, T + new] (only the new tokens for an
     inputs_embeds prompt), a GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput with
     return_dict_in_generate=True, or with stream=True an iterator of each step's tokens [B].
+    stopping_criteria: transformers' StoppingCriteria (any callables (sequences [M, L], scores) ->
+    bool [M]), each asked after every token beside eos and stop_strings; they get scores=None.
     """
     given = model.generation_config if generation_config is None else generation_config
     cfg = as_generation_config(given, base=model.generation_config).update(**kwargs)
@@ -94,7 +97,7 @@ def generate(
     out[:, : prompt.n_ids] = prompt.ids
     dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past)
     chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding)
-    stops = _stopping(cfg, tokenizer)
+    stops = _stopping(cfg, tokenizer, stopping_criteria or [])
     record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
 
     with torch.no_grad():
@@ -268,11 +271,16 @@ def _check_mask(mask: Any, B: int, T: int) -> Tensor:
     return mask.long()
 
 
-def _stopping(cfg: GenerationConfig, tokenizer):
-    """sequences [M, L] -> bool [M]: the last token is an eos id or completes a stop string."""
+def _stopping(cfg: GenerationConfig, tokenizer, criteria):
+    """sequences [M, L] -> bool [M]: the last token is an eos id, completes a stop string, or one of
+    the caller's stopping criteria says the row is done."""
     eos = cfg.eos_ids
     stop_strings = [cfg.stop_strings] if isinstance(cfg.stop_strings, str) else cfg.stop_strings
-    if not eos and not stop_strings:
+    if not callable(criteria) and not all(callable(c) for c in criteria):
+        raise TypeError("stopping_criteria must be a StoppingCriteriaList or a list of callables "
+                        "(sequences, scores) -> bool per row")
+    criteria = [criteria] if callable(criteria) else list(criteria)
+    if not eos and not stop_strings and not criteria:
         return None
 
     def stops(seqs: Tensor) -> Tensor:
@@ -282,6 +290,8 @@ def _stopping(cfg: GenerationConfig, tokenizer):
         if stop_strings:
             hit |= torch.tensor([_ends_with_stop(tokenizer, row, stop_strings) for row in seqs.tolist()],
                                 dtype=torch.bool, device=seqs.device)
+        for criterion in criteria:
+            hit |= torch.as_tensor(criterion(seqs, None), dtype=torch.bool, device=seqs.device).expand(seqs.size(0))
         return hit
 
     return stops
