@@ -92,8 +92,8 @@ class Float32Linear(CpuLinear):
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         return not wants_grad and self.weight.dtype == torch.float32 and super()._kernel_ok(x)
 
-    def decode(self, x: Tensor) -> Tensor:
-        return (K.cols if self.conv else K.rows)(x, self.weight.detach(), None if self.bias is None else self.bias.detach())
+    def decode(self, x: Tensor) -> Tensor:  # the kernels read raw memory: no autograd to detach from
+        return (K.cols if self.conv else K.rows)(x, self.weight, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
         if self.conv:

@@ -157,9 +157,9 @@ def _matvec(kind: str, x: Tensor, w: Tensor, bias: Tensor | None, K: int, N: int
     y = torch.empty(x.size(0), N, dtype=torch.float32)
     args = [_ptr(x), x.size(0), K, _ptr(w), N, _ptr(bias), _ptr(y), torch.get_num_threads()]
     if w.dtype == torch.float32:
-        getattr(lib, f"gpt2attn_{kind}_f32")(*args)
+        (lib.gpt2attn_cols_f32 if kind == "cols" else lib.gpt2attn_rows_f32)(*args)
     elif w.dtype in (torch.float16, torch.bfloat16):
-        getattr(lib, f"gpt2attn_{kind}_16")(*args, int(w.dtype == torch.bfloat16))
+        (lib.gpt2attn_cols_16 if kind == "cols" else lib.gpt2attn_rows_16)(*args, int(w.dtype == torch.bfloat16))
     else:
         raise TypeError(f"weight dtype {w.dtype}: the kernels take float32, float16 or bfloat16")
     return y
