@@ -1,6 +1,7 @@
 """Benchmarks against transformers: `python scripts/bench.py NAME [options]`.
 
-NAME is one of forward, load, generate, train, recipe, explore; each lives in scripts/bench_NAME.py,
+NAME is one of forward, load, generate, decode, train, recipe, explore; each lives in scripts/bench_NAME.py
+(`generate --llama-cpp PATH` is `decode --llama-cpp PATH`: CPU decoding against llama.cpp),
 prints its figures and the ratios, and returns its table rows. This script writes those rows with
 the date, the machine (CPU model and flags, cores, threads), torch's version and the command to
 docs/benchmarks/results/NAME.json (the latest run of each bench; --no-save to keep the old one);
@@ -16,7 +17,7 @@ import sys
 
 from bench_common import write_results
 
-BENCHES = ("forward", "load", "generate", "train", "recipe", "explore")
+BENCHES = ("forward", "load", "generate", "decode", "train", "recipe", "explore")
 
 
 def main(argv: list[str]) -> int:
@@ -24,6 +25,8 @@ def main(argv: list[str]) -> int:
         print(f"usage: python scripts/bench.py {{{','.join(BENCHES)}}} [--no-save] [options]", file=sys.stderr)
         return 2
     bench, args = argv[0], [a for a in argv[1:] if a != "--no-save"]
+    if bench == "generate" and "--llama-cpp" in args:  # the same as `decode --llama-cpp PATH`
+        bench = "decode"
     started = datetime.datetime.now(datetime.timezone.utc)
     rows = importlib.import_module(f"bench_{bench}").main(args)
     if isinstance(rows, int) or rows is None:  # a bench that prints only (its exit status)

@@ -37,10 +37,6 @@ def bandwidth_floor_tokens_per_s(n_params: int, width: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    if "--llama-cpp" in argv:  # CPU decoding in every precision vs llama.cpp on the same weights
-        import bench_llama_cpp
-
-        return bench_llama_cpp.main(argv)
     if "--quantize" in argv:  # int8 decoding vs fp32, transformers and CTranslate2: bench_quantize.py
         import bench_quantize
 

@@ -30,7 +30,7 @@ from gpt2attn.quantize import CpuLinear
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every CpuLinear's weight (and int8 scales), as bench_llama_cpp counts."""
+    """Bytes a decode step reads: every CpuLinear's weight (and int8 scales), as bench_decode counts."""
     total = 0
     for mod in model.modules():
         if isinstance(mod, CpuLinear):

@@ -34,6 +34,11 @@ ABOUT = {
     "generate": "Decoding speed: greedy, sampling, beams, prompt lookup and assisted decoding against "
                 "transformers' `generate`, with the memory-bandwidth floor of a matrix-vector product over "
                 "all weights; `--quantize int8` adds the int8 comparison (see [Fast CPU decoding](cpu-decoding.md)).",
+    "decode": "CPU decoding at batch 1 in fp32, fp16, bf16 and int8 (`model.quantize(mode)`) against llama.cpp's "
+              "`llama-bench` on the same weights written as GGUF by gpt2attn (f32, f16, bf16, q8_0), alternating "
+              "in every round, gpt2-small shapes, random weights, prompt 32, 64 new tokens; prefill at 128 and 512 "
+              "tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "
+              "read per token / read rate (see [Fast CPU decoding](cpu-decoding.md)).",
     "train": "One training step at the CPU recipe's shapes (and gpt2-small's with `--preset gpt2`), with the "
              "step's matrix products alone and every kernel a step needs alone, timed in the same turns: "
              "how far the step is from its floor.",

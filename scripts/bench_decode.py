@@ -1,7 +1,9 @@
 """CPU decoding and prefill, ours vs llama.cpp on the same weights, against the machine's read rate.
 
-    python scripts/bench.py generate --llama-cpp PATH/TO/llama-bench [--rounds 5] [--threads 2]
-                                     [--prompt 32] [--new 64] [--prefill 128,512] [--only fp32,fp16,bf16,int8]
+    python scripts/bench.py decode --llama-cpp PATH/TO/llama-bench [--rounds 5] [--threads 2]
+                                   [--prompt 32] [--new 64] [--prefill 128,512] [--only fp32,fp16,bf16,int8]
+
+(`python scripts/bench.py generate --llama-cpp PATH` is the same.)
 
 gpt2-small shapes, random weights (seed 0), eval. Each precision of ours (`model.quantize(mode)`)
 is paired with a GGUF file of the same weights written by gpt2attn.formats.gguf (with a synthetic
@@ -15,7 +17,7 @@ rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_su
 sum, the faster counts). Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
 (the weight matrices in that precision; KV cache and embedding rows left out).
-The rows also come out as one JSON line (`RESULTS {...}`), and `run()` returns them.
+The raw rows also come out as one JSON line (`RESULTS [...]`); `run()` returns them and the table's rows.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ BYTES = {"fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2.0, 0.0), "int8": (1.
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench.py generate --llama-cpp")
+    parser = argparse.ArgumentParser(prog="bench.py decode")
     parser.add_argument("--llama-cpp", required=True, help="path of llama.cpp's llama-bench binary")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
@@ -53,9 +55,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prefill", default="128,512", help="comma-separated prompt lengths for prefill")
     parser.add_argument("--only", default=",".join(PAIRS), help="comma-separated precisions: " + ", ".join(PAIRS))
     args = parser.parse_args(argv)
-    rows = run(args)
+    rows, shown = run(args)
     print("RESULTS " + json.dumps(rows))
-    return 0
+    return shown  # bench.py writes these, with the machine and date, to docs/benchmarks/results/decode.json
 
 
 def synthetic_tokenizer(vocab_size: int):
@@ -108,7 +110,7 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(args.threads)
     modes = args.only.split(",")
     lengths = [int(t) for t in args.prefill.split(",")]
@@ -161,11 +163,7 @@ def run(args) -> list[dict]:
           f"{min(read_rates) / 1e9:.1f}-{max(read_rates) / 1e9:.1f}), {args.threads} threads")
     print(f"gpt2-small, batch 1, prompt {args.prompt}, {args.new} new tokens; prefill keeps the last position's "
           f"logits; medians of {args.rounds} rounds [min-max]")
-    head = (f"| precision | decode tok/s | vs llama.cpp | of limit | " +
-            " | ".join(f"prefill {t} tok/s | vs llama.cpp" for t in lengths) + " | tokens = fp32 |")
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    rows = []
+    rows, shown = [], []
     for mode in modes:
         for side, kind in (("ours", mode), ("llama.cpp", PAIRS[mode])):
             nbytes = matrix_bytes(fp32, *BYTES[kind])
@@ -178,15 +176,22 @@ def run(args) -> list[dict]:
             row["fraction_of_limit"] = row["decode_tok_s"] / (rate / nbytes)
             rows.append(row)
         o, l = rows[-2], rows[-1]
-        cells = [f"{'ours ' + mode:>10}", _cell(o, "decode"), f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x",
-                 f"{o['fraction_of_limit']:.0%}"]
-        cells += [c for t in lengths for c in (_cell(o, f"prefill {t}"),
-                  f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x")]
-        print("| " + " | ".join(cells + [str(same[mode])]) + " |")
-        cells = [f"{'llama.cpp ' + l['format']:>10}", _cell(l, "decode"), "", f"{l['fraction_of_limit']:.0%}"]
-        cells += [c for t in lengths for c in (_cell(l, f"prefill {t}"), "")]
-        print("| " + " | ".join(cells + [""]) + " |")
-    return rows
+        for r, name in ((o, f"ours {mode}"), (l, f"llama.cpp {l['format']}")):
+            cells = {"precision": name, "decode tok/s": _cell(r, "decode"),
+                     "decode vs llama.cpp": f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x" if r is o else "",
+                     "of limit": f"{r['fraction_of_limit']:.0%}"}
+            for t in lengths:
+                cells[f"prefill {t} tok/s"] = _cell(r, f"prefill {t}")
+                cells[f"prefill {t} vs llama.cpp"] = (f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x"
+                                                      if r is o else "")
+            cells["tokens = fp32"] = str(same[mode]) if r is o else ""
+            shown.append(cells)
+    print("| " + " | ".join(shown[0]) + " |")
+    print("|" + "---|" * len(shown[0]))
+    for cells in shown:
+        print("| " + " | ".join(cells.values()) + " |")
+    print(f"read rate {rate / 1e9:.1f} GB/s; 'of limit': decode tok/s x bytes per token / read rate")
+    return rows, shown
 
 
 def _cell(row: dict, key: str) -> str:
