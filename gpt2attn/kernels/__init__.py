@@ -234,7 +234,7 @@ def read_sum(x: Tensor) -> float:
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     xq, xs = quantize_q8_reference(x)
-    B, (N, K) = x.size(0), w8.shape
+    B, N = x.size(0), w8.size(0)
     # each block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
     sums = torch.einsum("bjk,njk->bnj", xq.view(B, -1, BLOCK).float(), w8.view(N, -1, BLOCK).float())  # (B, N, K/32)
     y = (sums * xs[:, None, :]).sum(-1) * scale  # (B, N)
