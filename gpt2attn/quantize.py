@@ -7,7 +7,7 @@ speed of reading them.
 mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its weight as `mode`:
 
     fp32  the very same parameters (no copy; still trainable: with gradients on, plain torch)
-    fp16  16-bit copies, widened to fp32 inside the kernel (F16C); accumulation in fp32
+    fp16  16-bit copies as (out, in) rows, widened to fp32 inside the kernel (F16C); fp32 sums
     bf16  the same in bfloat16 (widened by a 16-bit shift: any AVX2 CPU does it at full speed)
     int8  int8, one scale per output channel (the fp32 weight rounded to 255 levels per row)
 
@@ -15,9 +15,10 @@ The model stays a gpt2attn model: generate, the KV cache and the inspect taps (o
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
 fp32. Each layer takes, per call:
   - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' matrix-vector
-    products, which read each weight once on all of torch's threads (fp32 and 16-bit in the
-    layer's own layout, Conv1D's (in, out) or the head's (out, in); int8 as (out, in) rows, with the
-    input quantized per step in blocks of 32 values, as llama.cpp's q8_0);
+    products, which read each weight once on all of torch's threads (fp32 in the layer's own
+    layout, Conv1D's (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows, the
+    layout their dot products read fastest; int8 with the input quantized per step in blocks of 32
+    values, as llama.cpp's q8_0);
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
@@ -141,7 +142,9 @@ class PackedLinear(CpuLinear):
 
 
 class HalfLinear(PackedLinear):
-    """The weight in 16 bits (fp16 or bf16) in the layer's own layout; products accumulate in fp32."""
+    """The weight in 16 bits (fp16 or bf16) as (out, in) rows (a Conv1D's is transposed once: the
+    rows kernel reads 16-bit weights at the memory's speed, the (in, out) one did not keep up);
+    products accumulate in fp32."""
 
     prefill_kernel = "torch (MKL) fp32 on the widened weight"
 
@@ -149,20 +152,22 @@ class HalfLinear(PackedLinear):
                  tied: bool = False):
         self.weight_dtype = dtype
         super().__init__(weight, bias, conv, tied)
-        self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} {'cols' if conv else 'rows'}"
+        self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} rows"
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
-        self.weight16 = weight.to(self.weight_dtype)  # (in, out) for a Conv1D, (out, in) for a Linear
+        rows = weight.t() if self.conv else weight  # (out, in)
+        self.weight16 = rows.contiguous().to(self.weight_dtype)
         self.bias = bias
 
     def hf_weight(self) -> Tensor:
-        return self.weight16.float()
+        w = self.weight16.float()
+        return w.t() if self.conv else w
 
     def decode(self, x: Tensor) -> Tensor:
-        return (K.cols if self.conv else K.rows)(x, self.weight16, self.bias)
+        return K.rows(x, self.weight16, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
-        return (K.cols_reference if self.conv else K.rows_reference)(x, self.weight16, self.bias)
+        return K.rows_reference(x, self.weight16, self.bias)
 
 
 class Int8Linear(PackedLinear):

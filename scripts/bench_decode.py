@@ -11,7 +11,8 @@ byte-level BPE vocabulary of 50257 tokens, which llama.cpp needs to load a file)
 fp32 ~ f32, fp16 ~ f16, bf16 ~ bf16, int8 ~ q8_0. In every round, for every precision in turn:
 llama.cpp's llama-bench (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
 before ours runs, so its spinning threads never meet torch's), then ours: greedy generate of NEW
-tokens after a PROMPT-token prompt at batch 1 (timed whole, prompt included) and a forward of
+tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
+steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
 each PREFILL length keeping the last position's logits (as generate's first step); then the read
 rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum and torch's
 sum, the faster counts). Prints per precision the medians over rounds (min-max in brackets),
@@ -147,8 +148,11 @@ def run(args) -> tuple[list[dict], list[dict]]:
                     results[(mode, "llama.cpp", key)].append(value)
                 model = ours[mode]
                 model.generate(prompt, max_new_tokens=4, eos_token_id=None)  # warm
-                t = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
-                results[(mode, "ours", "decode")].append(args.new / t)
+                # decoding alone, as llama-bench's tg: generate's time for NEW tokens less its time for 1
+                # (the prompt's forward and the first token), over the NEW - 1 steps between them
+                t_all = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
+                t_one = best_of(lambda: model.generate(prompt, max_new_tokens=1, eos_token_id=None), 2)
+                results[(mode, "ours", "decode")].append((args.new - 1) / (t_all - t_one))
                 for length, ids in long.items():
                     t = best_of(lambda: model.lm_head(model.transformer(ids).last_hidden_state[:, -1]), 2)
                     results[(mode, "ours", f"prefill {length}")].append(length / t)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..cache import KVCache
+from ..decode_step import DecodeStep, unfused_reason
 
 
 class Decoder:
@@ -26,6 +27,8 @@ class Decoder:
         # reorder copied them from one row (beams share their history up to where they parted).
         # New tokens go after every shared position, so only a rollback lowers it.
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
+        # a quantized model takes one new token per row in a single call (see gpt2attn.decode_step)
+        self.step = DecodeStep(model) if token_type_ids is None and unfused_reason(model) is None else None
         self.mask = None
         if mask is not None and not bool(mask.all()):
             self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
@@ -41,6 +44,9 @@ class Decoder:
         """Run ids (N, k) (or embeds (N, k, C)) after the cache; float32 logits of the last
         position (N, V), or of every position (N, k, V) with all_positions."""
         k = (ids if ids is not None else embeds).size(1)
+        if self.step is not None and ids is not None and self.mask is None and self.step.usable(ids, self.cache):
+            logits = self.step(ids, self.cache)  # (N, V)
+            return logits[:, None] if all_positions else logits
         kwargs = {}
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, : self.length + k]

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("matvec.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("matvec.cpp", "step.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 NEEDS = ("avx2", "fma", "f16c")
 BLOCK = 32  # values per int8 block of x
@@ -56,7 +56,7 @@ def library() -> ctypes.CDLL | None:
         try:
             return _bind(ctypes.CDLL(str(_build())))
         except (OSError, subprocess.SubprocessError) as err:
-            why = f"building {SOURCE.name} failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
+            why = f"building the kernels failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
     if why != "GPT2ATTN_KERNELS=0":
         warnings.warn(f"gpt2attn: CPU decoding kernels unavailable, using plain torch: {why}", RuntimeWarning, 2)
     return None
@@ -105,10 +105,10 @@ def cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """Compile matvec.cpp for this CPU into the cache (once per source, flags and CPU)."""
+    """Compile the kernels for this CPU into the cache (once per source, flags and CPU)."""
     compiler = _compiler()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_name().encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(), _cpu_name().encode(),
                  " ".join(sorted(_cpu_flags())).encode()):
         key.update(part)
     target = cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
@@ -116,7 +116,7 @@ def _build() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise subprocess.SubprocessError(done.stderr or f"{compiler} exited with {done.returncode}")
             os.replace(built, target)  # atomic: a process beside this one never loads half a file
@@ -132,6 +132,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "gpt2attn_quantize_q8": [p, i64, i64, p, p],
         "gpt2attn_rows_q8": [p, p, i64, i64, p, p, i64, p, p, i32],
         "gpt2attn_read_sum": [p, i64, i32],
+        "gpt2attn_decode_step": [p, p, i64, i64, p, i64, p, i32],
     }.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
@@ -239,3 +240,39 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
     sums = torch.einsum("bjk,njk->bnj", xq.view(B, -1, BLOCK).float(), w8.view(N, -1, BLOCK).float())  # (B, N, K/32)
     y = (sums * xs[:, None, :]).sum(-1) * scale  # (B, N)
     return y if bias is None else y + bias
+
+
+# One decoding step of a whole model (step.cpp): the model's weights described once, as C structs.
+# Kinds of weight matrix, as step.cpp numbers them: (K, N) Conv1D layout or (N, K) rows, by dtype.
+COLS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROWS = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
+Q8_ROWS = 6
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln_1_weight", ctypes.c_void_p), ("ln_1_bias", ctypes.c_void_p), ("c_attn", Matrix),
+                ("attn_proj", Matrix), ("ln_2_weight", ctypes.c_void_p), ("ln_2_bias", ctypes.c_void_p),
+                ("c_fc", Matrix), ("mlp_proj", Matrix), ("attn_scale", ctypes.c_float), ("unused", ctypes.c_float)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("n_layer", ctypes.c_int64), ("n_embd", ctypes.c_int64), ("n_head", ctypes.c_int64),
+                ("n_inner", ctypes.c_int64), ("vocab_size", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("unused", ctypes.c_float), ("wte", ctypes.c_void_p), ("wpe", ctypes.c_void_p),
+                ("ln_f_weight", ctypes.c_void_p), ("ln_f_bias", ctypes.c_void_p), ("lm_head", Matrix),
+                ("layers", ctypes.POINTER(Layer))]
+
+
+def decode_step(model: Model, ids: Tensor, pos: int, kv: Tensor, logits: Tensor) -> None:
+    """Run step.cpp: logits (B, V) of the tokens after ids (B,) int64, at position pos; their keys
+    and values written into kv (n_layer, 2, B, nh, capacity, hs) at pos. Every pointer in `model`
+    must stay alive for the call (gpt2attn.decode_step keeps the tensors)."""
+    assert ids.dtype == torch.int64 and ids.is_contiguous() and kv.is_contiguous() and logits.is_contiguous()
+    assert kv.dtype == torch.float32 and logits.dtype == torch.float32 and 0 <= pos < kv.size(4)
+    library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), ids.numel(), pos, _ptr(kv), kv.size(4),
+                                   _ptr(logits), torch.get_num_threads())
