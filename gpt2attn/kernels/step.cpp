@@ -200,14 +200,14 @@ struct Step {
     int64_t B;
     int threads;
     std::vector<float> partial;   // (threads, B, maxN): each thread's share of a (K, N) product
-    std::vector<int8_t> xq;       // (B, maxK) x quantized for Q8_ROWS
-    std::vector<float> xs;        // (B, maxK / 32) its scales
+    std::vector<int8_t> xq;       // (threads, B, maxK): x quantized for Q8_ROWS, by each thread for itself
+    std::vector<float> xs;        // (threads, B, maxK / 32): its scales
     std::vector<float> acc;       // (threads, RCHUNK): a rows chunk's sums before the epilogue
-    int64_t maxN;
+    int64_t maxN, maxK;
 
     Step(const Model& model, int64_t rows, int nthreads, int64_t max_n, int64_t max_k)
-        : m(model), B(rows), threads(nthreads), partial(nthreads * rows * max_n), xq(rows * max_k),
-          xs(rows * (max_k / 32 + 1)), acc(nthreads * rows * RCHUNK), maxN(max_n) {}
+        : m(model), B(rows), threads(nthreads), partial(nthreads * rows * max_n), xq(nthreads * rows * max_k),
+          xs(nthreads * rows * (max_k / 32)), acc(nthreads * rows * RCHUNK), maxN(max_n), maxK(max_k) {}
 
     // y (B, N) (op)= x (B, K) . W + bias, called by every thread of the region
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
@@ -242,14 +242,14 @@ struct Step {
                     for (int64_t n = 0; n < vec_end; n += 8) {
                         const T* wn = w0 + n;
                         __m256 a = _mm256_fmadd_ps(xk[0], load<T>(wn, bf16), _mm256_loadu_ps(yb + n));
-                        __m256 c = _mm256_mul_ps(xk[1], load<T>(wn + N, bf16));
+                        __m256 odd = _mm256_mul_ps(xk[1], load<T>(wn + N, bf16));
                         a = _mm256_fmadd_ps(xk[2], load<T>(wn + 2 * N, bf16), a);
-                        c = _mm256_fmadd_ps(xk[3], load<T>(wn + 3 * N, bf16), c);
+                        odd = _mm256_fmadd_ps(xk[3], load<T>(wn + 3 * N, bf16), odd);
                         a = _mm256_fmadd_ps(xk[4], load<T>(wn + 4 * N, bf16), a);
-                        c = _mm256_fmadd_ps(xk[5], load<T>(wn + 5 * N, bf16), c);
+                        odd = _mm256_fmadd_ps(xk[5], load<T>(wn + 5 * N, bf16), odd);
                         a = _mm256_fmadd_ps(xk[6], load<T>(wn + 6 * N, bf16), a);
-                        c = _mm256_fmadd_ps(xk[7], load<T>(wn + 7 * N, bf16), c);
-                        _mm256_storeu_ps(yb + n, _mm256_add_ps(a, c));
+                        odd = _mm256_fmadd_ps(xk[7], load<T>(wn + 7 * N, bf16), odd);
+                        _mm256_storeu_ps(yb + n, _mm256_add_ps(a, odd));
                     }
                     for (int64_t n = vec_end; n < N; n++) {
                         float v = yb[n];
@@ -316,33 +316,36 @@ struct Step {
         });  // implicit barrier
     }
 
-    // x (B, K) -> xq, xs: each block of 32 scaled by its largest magnitude / 127, rounded half to even
-    void quantize(const float* x, int64_t K) {
+    // x (B, K) -> q (B, K), scales (B, K / 32): each block of 32 scaled by its largest magnitude / 127,
+    // rounded half to even
+    void quantize(const float* x, int64_t K, int8_t* q, float* scales) {
         const __m256 sign = _mm256_set1_ps(-0.0f);
         for (int64_t j = 0; j < B * K / 32; j++) {
             const float* p = x + j * 32;
-            __m256 m = _mm256_setzero_ps();
-            for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            __m256 top = _mm256_setzero_ps();
+            for (int i = 0; i < 32; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
             const float scale = _mm_cvtss_f32(h) / 127.0f;
-            xs[j] = scale;
+            scales[j] = scale;
             const __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-            __m256i q[4];
+            __m256i lanes[4];
             for (int i = 0; i < 4; i++)
-                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                lanes[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
             v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // packs interleave lanes
-            _mm256_storeu_si256((__m256i*)(xq.data() + j * 32), v);
+            _mm256_storeu_si256((__m256i*)(q + j * 32), v);
         }
     }
 
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, N = W.N, nb = K / 32;
-#pragma omp single
-        quantize(x, K);  // implicit barrier
+        // every thread quantizes x for itself (a few microseconds): no barrier before the rows
+        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * maxK;
+        float* xs_mine = xs.data() + omp_get_thread_num() * B * (maxK / 32);
+        quantize(x, K, xq_mine, xs_mine);
         const int8_t* w = (const int8_t*)W.weight;
         float* sums = acc.data() + omp_get_thread_num() * B * RCHUNK;
         const __m256i ones = _mm256_set1_epi16(1);
@@ -351,8 +354,8 @@ struct Step {
             for (; r + 4 <= r1; r += 4) {
                 const int8_t *w0 = w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
                 for (int64_t b = 0; b < B; b++) {
-                    const int8_t* xb = xq.data() + b * K;
-                    const float* sb = xs.data() + b * nb;
+                    const int8_t* xb = xq_mine + b * K;
+                    const float* sb = xs_mine + b * nb;
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int64_t j = 0; j < nb; j++) {
                         if (b == 0) prefetch_ahead(w0, j * 128, K);
@@ -382,8 +385,8 @@ struct Step {
                     float total = 0.0f;
                     for (int64_t j = 0; j < nb; j++) {
                         int32_t s = 0;
-                        for (int i = 0; i < 32; i++) s += (int32_t)xq[b * K + 32 * j + i] * w[r * K + 32 * j + i];
-                        total += xs[b * nb + j] * (float)s;
+                        for (int i = 0; i < 32; i++) s += (int32_t)xq_mine[b * K + 32 * j + i] * w[r * K + 32 * j + i];
+                        total += xs_mine[b * nb + j] * (float)s;
                     }
                     sums[b * RCHUNK + (r - r0)] = total * W.scale[r];
                 }
