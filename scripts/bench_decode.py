@@ -15,7 +15,8 @@ tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 tok
 steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
 each PREFILL length keeping the last position's logits (as generate's first step); then the read
 rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum and torch's
-sum, the faster counts). Prints per precision the medians over rounds (min-max in brackets),
+sum, the faster counts), and the blocks' 48 matrix products of each PREFILL length alone through
+torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
 (the weight matrices in that precision; KV cache and embedding rows left out).
 The raw rows also come out as one JSON line (`RESULTS [...]`); `run()` returns them and the table's rows.
@@ -138,6 +139,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
     keys = ["decode"] + [f"prefill {t}" for t in lengths]
     results = {(mode, side, key): [] for mode in modes for side in ("ours", "llama.cpp") for key in keys}
     read_rates = []
+    gemm_floor = {t: [] for t in lengths}  # tok/s of the blocks' 48 products alone, through torch (MKL), fp32
+
+    def blocks_products(x: torch.Tensor) -> None:
+        for block in fp32.transformer.h:
+            torch.mm(x, block.attn.c_attn.weight), torch.mm(x, block.attn.c_proj.weight)
+            torch.mm(torch.mm(x, block.mlp.c_fc.weight), block.mlp.c_proj.weight)
+
     with torch.inference_mode():
         same = {mode: torch.equal(ours[mode].generate(prompt, max_new_tokens=args.new, eos_token_id=None),
                                   fp32.generate(prompt, max_new_tokens=args.new, eos_token_id=None))
@@ -156,6 +164,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 for length, ids in long.items():
                     t = best_of(lambda: model.lm_head(model.transformer(ids).last_hidden_state[:, -1]), 2)
                     results[(mode, "ours", f"prefill {length}")].append(length / t)
+            for length in lengths:
+                x = torch.randn(length, cfg.n_embd)
+                gemm_floor[length].append(length / best_of(lambda: blocks_products(x), 2))
             t_ours = best_of(lambda: kernels.read_sum(buffer), 5)
             t_torch = best_of(lambda: buffer.sum(), 5)
             read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch))
@@ -195,6 +206,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
     for cells in shown:
         print("| " + " | ".join(cells.values()) + " |")
     print(f"read rate {rate / 1e9:.1f} GB/s; 'of limit': decode tok/s x bytes per token / read rate")
+    floors = {t: statistics.median(v) for t, v in gemm_floor.items()}
+    print("prefill's ceiling through torch's matrix products: the blocks' 48 fp32 products of a T-token prompt "
+          "alone (torch.mm, MKL; no attention, LayerNorm or head), tok/s: "
+          + ", ".join(f"T={t}: {v:.0f}" for t, v in floors.items()))
+    for row in rows:
+        if row["engine"] == "ours":
+            row.update({f"prefill_{t}_torch_matmul_ceiling_tok_s": v for t, v in floors.items()})
     return rows, shown
 
 

@@ -128,3 +128,14 @@ def test_unfused_reason_names_each_obstacle(monkeypatch):
     assert D.unfused_reason(tapped) == "a tap on transformer.h.1.mlp"
     with pytest.raises(ValueError, match="DecodeStep: a tap on transformer.h.1.mlp"):
         D.DecodeStep(tapped)
+
+
+@needs_kernels
+def test_a_matrix_that_does_not_fit_is_refused_before_anything_runs():
+    model = model_for("fp32")
+    step = D.DecodeStep(model)
+    step.layers[1].mlp_proj.N += 8  # wider than the residual stream: would write past its buffer
+    cache = KVCache.preallocate(2, 1, 4, 16, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        step(torch.tensor([[3]]), cache)
+    assert cache.length == 0 and not cache.block.any()

@@ -137,6 +137,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     lib.gpt2attn_read_sum.restype = ctypes.c_float
+    lib.gpt2attn_decode_step.restype = ctypes.c_int
     return lib
 
 
@@ -274,5 +275,7 @@ def decode_step(model: Model, ids: Tensor, pos: int, kv: Tensor, logits: Tensor)
     must stay alive for the call (gpt2attn.decode_step keeps the tensors)."""
     assert ids.dtype == torch.int64 and ids.is_contiguous() and kv.is_contiguous() and logits.is_contiguous()
     assert kv.dtype == torch.float32 and logits.dtype == torch.float32 and 0 <= pos < kv.size(4)
-    library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), ids.numel(), pos, _ptr(kv), kv.size(4),
-                                   _ptr(logits), torch.get_num_threads())
+    status = library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), ids.numel(), pos, _ptr(kv), kv.size(4),
+                                            _ptr(logits), torch.get_num_threads())
+    if status != 0:
+        raise ValueError("decode_step: a weight matrix's sizes or kind do not fit the model's (nothing computed)")

@@ -403,14 +403,22 @@ extern "C" {
 int gpt2attn_step_abi_version() { return 1; }
 
 // logits (B, V) of the token after ids (B), each row's cache holding `pos` tokens; writes the new
-// keys and values into kv (n_layer, 2, B, nh, capacity, hs) at position pos.
-void gpt2attn_decode_step(const Model* model, const int64_t* ids, int64_t B, int64_t pos, float* kv, int64_t capacity,
+// keys and values into kv (n_layer, 2, B, nh, capacity, hs) at position pos. Returns 0, or -1 (and
+// computes nothing) when a matrix's sizes or kind do not fit the model's (the buffers assume them).
+int gpt2attn_decode_step(const Model* model, const int64_t* ids, int64_t B, int64_t pos, float* kv, int64_t capacity,
                           float* logits, int threads) {
     const Model& m = *model;
     const int64_t C = m.n_embd, nh = m.n_head, hs = C / nh, inner = m.n_inner, V = m.vocab_size;
+    auto fits = [](const Matrix& w, int64_t K, int64_t N) { return w.K == K && w.N == N && w.kind >= F32 && w.kind <= Q8_ROWS; };
+    bool ok = fits(m.lm_head, C, V) && m.lm_head.kind >= F32_ROWS && hs * nh == C;  // the head is rows: no partials of V
+    for (int64_t l = 0; l < m.n_layer; l++) {
+        const Layer& L = m.layers[l];
+        ok = ok && fits(L.c_attn, C, 3 * C) && fits(L.attn_proj, C, C) && fits(L.c_fc, C, inner) && fits(L.mlp_proj, inner, C);
+    }
+    if (!ok) return -1;
     const int64_t T = pos + 1;  // keys attended to
     const int64_t widest = 3 * C > inner ? 3 * C : inner;
-    Step step(m, B, threads, widest > V ? widest : V, inner > C ? inner : C);
+    Step step(m, B, threads, widest, inner > C ? inner : C);
     std::vector<float> x(B * C), h(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, normed, ...
     std::vector<float> scores(threads * T);
 
@@ -461,6 +469,7 @@ void gpt2attn_decode_step(const Model* model, const int64_t* ids, int64_t B, int
         for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], m.ln_f_weight, m.ln_f_bias, m.eps, C, &h[b * C]);
         step.product(m.lm_head, h.data(), logits, V, STORE);  // (B, V)
     }
+    return 0;
 }
 
 }  // extern "C"
