@@ -201,14 +201,18 @@ def run(args) -> tuple[list[dict], list[dict]]:
                                                       if r is o else "")
             cells["tokens = fp32"] = str(same[mode]) if r is o else ""
             shown.append(cells)
+    floors = {t: statistics.median(v) for t, v in gemm_floor.items()}
+    ceiling = {key: "" for key in shown[0]}
+    ceiling["precision"] = "torch's fp32 products alone"  # the most a prefill built on torch.mm can reach
+    ceiling.update({f"prefill {t} tok/s": f"{v:.1f}" for t, v in floors.items()})
+    shown.append(ceiling)
     print("| " + " | ".join(shown[0]) + " |")
     print("|" + "---|" * len(shown[0]))
     for cells in shown:
         print("| " + " | ".join(cells.values()) + " |")
     print(f"read rate {rate / 1e9:.1f} GB/s; 'of limit': decode tok/s x bytes per token / read rate")
-    floors = {t: statistics.median(v) for t, v in gemm_floor.items()}
     print("prefill's ceiling through torch's matrix products: the blocks' 48 fp32 products of a T-token prompt "
-          "alone (torch.mm, MKL; no attention, LayerNorm or head), tok/s: "
+          "alone (torch.mm, MKL; no attention, LayerNorm or head), tok/s (the table's last row): "
           + ", ".join(f"T={t}: {v:.0f}" for t, v in floors.items()))
     for row in rows:
         if row["engine"] == "ours":

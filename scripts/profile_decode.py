@@ -1,19 +1,20 @@
-"""Where one batch-1 decode step of gpt2-small (random weights) spends its time, fp32 and int8.
+"""Where one batch-1 decode step of gpt2-small (random weights) spends its time, per precision.
 
-    python scripts/profile_decode.py [--cache 64] [--repeats 15] [--modes fp32,int8] [--profile]
+    python scripts/profile_decode.py [--cache 64] [--repeats 15] [--modes fp32,fp16,bf16,int8] [--profile]
 
 In one process, each timing taken in turns with the others (so machine load hits them alike):
 - read: one pass of gpt2attn.kernels.read_sum over a buffer of the mode's bytes per token (the
   time the weights take to read at this machine's rate: the floor of a step);
 - products: every CpuLinear of the model called once on a (1, 1, C) row, as a step calls them
   (the kernels: weight reads plus each call's Python and OpenMP start);
-- step: one decode step through the Decoder (gpt2attn/generation/decoder.py) with a cache of
-  --cache tokens: products plus embeddings, LayerNorms, attention, GELU, cache writes;
-- narrow step: the same step of a model of the same depth 64 wide with 256 tokens, whose weights
-  are a few kB: what a step costs beyond reading weights (Python, modules, small ops);
+- module step: one decode step through the model's modules (Decoder without its DecodeStep) with
+  a cache of --cache tokens: products plus embeddings, LayerNorms, attention, GELU, cache writes;
+- step: the same step as generate() takes it, in one call (gpt2attn.decode_step, step.cpp);
+- narrow step: that one-call step of a model of the same depth 64 wide with 256 tokens, whose
+  weights are a few kB: what a step costs beyond reading weights;
 - generate: model.generate's time per new token (the step plus logits processing and the loop).
-Prints each as min and median ms. --profile adds torch.profiler's table of one step per mode
-(the kernels are ctypes calls, which the profiler does not list: see products).
+Prints each as min and median ms. --profile adds torch.profiler's table of ten module steps per
+mode (the kernels are ctypes calls, which the profiler does not list: see products).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def weight_bytes(model) -> int:
     return total
 
 
-def stepper(model, prompt: torch.Tensor, cache: int):
+def stepper(model, prompt: torch.Tensor, cache: int, one_call: bool = True):
     dec = Decoder(model, 1, cache + 4, "cpu")
+    if not one_call:
+        dec.step = None  # the modules, layer by layer, as before gpt2attn.decode_step
     dec.forward(prompt)
     ids = prompt[:, -1:]
 
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cache", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--modes", default="fp32,int8")
+    p.add_argument("--modes", default="fp32,fp16,bf16,int8")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     print(machine_line())
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [torch.randn(1, 1, mod.in_features) for mod in linears]
             fns[f"{mode} read"] = lambda buffer=buffer: kernels.read_sum(buffer)
             fns[f"{mode} products"] = lambda linears=linears, rows=rows: [mod(x) for mod, x in zip(linears, rows)]
+            fns[f"{mode} module step"] = stepper(m, prompt, args.cache, one_call=False)
             fns[f"{mode} step"] = stepper(m, prompt, args.cache)
             fns[f"{mode} narrow step"] = stepper(GPT2LMHeadModel(narrow).eval().quantize(mode), prompt, args.cache)
 
@@ -92,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
                 times[name].append(1e3 * (time.perf_counter() - t))
     print(f"gpt2-small shapes, batch 1, cache {args.cache}; ms, min / median of {args.repeats} turns")
-    print("| mode | read weights | products | step | narrow step | generate per token |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | read weights | products | module step | step (one call) | narrow step | generate per token |")
+    print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         cells = []
-        for part in ("read", "products", "step", "narrow step"):
+        for part in ("read", "products", "module step", "step", "narrow step"):
             t = sorted(times[f"{mode} {part}"])
             cells.append(f"{t[0]:.1f} / {t[len(t) // 2]:.1f}")
         g, g1 = sorted(times[f"{mode} generate"]), sorted(times[f"{mode} generate 1"])
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         for mode in args.modes.split(","):
-            step = fns[f"{mode} step"]
+            step = fns[f"{mode} module step"]
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(10):
                     step()
