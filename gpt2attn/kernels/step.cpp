@@ -122,16 +122,14 @@ void for_spans(int64_t N, F&& body) {
 }
 
 // The rows products read four rows at a time, four short interleaved streams that the hardware
-// prefetcher does not follow in time: each pass over 4 x 32 bytes of them asks for the 128 bytes at
-// the same place two groups of four rows further on (a group is contiguous: 4 K weights).
+// prefetcher does not follow in time: each pass over them asks for as many bytes as it reads
+// (`bytes`, linearly, the four rows being one contiguous stretch), PREFETCH_BYTES further on.
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 16384
 #endif
-template <typename T>
-inline void prefetch_ahead(const T* group, int64_t offset_bytes, int64_t) {
-    const char* p = (const char*)group + PREFETCH_BYTES + offset_bytes;
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
+inline void prefetch_ahead(const void* group, int64_t offset, int64_t bytes) {
+    const char* p = (const char*)group + PREFETCH_BYTES + offset;
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -212,18 +210,18 @@ struct Step {
     // y (B, N) (op)= x (B, K) . W + bias, called by every thread of the region
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         switch (W.kind) {
-            case F32: cols<float>(W, x, y, y_stride, op, false); break;
-            case F16: cols<uint16_t>(W, x, y, y_stride, op, false); break;
-            case BF16: cols<uint16_t>(W, x, y, y_stride, op, true); break;
-            case F32_ROWS: rows<float>(W, x, y, y_stride, op, false); break;
-            case F16_ROWS: rows<uint16_t>(W, x, y, y_stride, op, false); break;
-            case BF16_ROWS: rows<uint16_t>(W, x, y, y_stride, op, true); break;
+            case F32: cols<float, false>(W, x, y, y_stride, op); break;
+            case F16: cols<uint16_t, false>(W, x, y, y_stride, op); break;
+            case BF16: cols<uint16_t, true>(W, x, y, y_stride, op); break;
+            case F32_ROWS: rows<float, false>(W, x, y, y_stride, op); break;
+            case F16_ROWS: rows<uint16_t, false>(W, x, y, y_stride, op); break;
+            case BF16_ROWS: rows<uint16_t, true>(W, x, y, y_stride, op); break;
             case Q8_ROWS: rows_q8(W, x, y, y_stride, op); break;
         }
     }
 
-    template <typename T>
-    void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, bool bf16) {
+    template <typename T, bool bf16>  // bf16: T is uint16_t holding bfloat16 (else fp16, or fp32)
+    void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, N = W.N, vec_end = N / 8 * 8;
         const T* w = (const T*)W.weight;
         float* mine = partial.data() + omp_get_thread_num() * B * maxN;  // (B, N) of this thread
@@ -280,8 +278,8 @@ struct Step {
         }  // implicit barrier
     }
 
-    template <typename T>
-    void rows(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, bool bf16) {
+    template <typename T, bool bf16>
+    void rows(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, N = W.N;
         const T* w = (const T*)W.weight;
         float* sums = acc.data() + omp_get_thread_num() * B * RCHUNK;  // (B, RCHUNK)
@@ -294,8 +292,8 @@ struct Step {
                         const float* xb = x + b * K;
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                         for (int64_t k = 0; k < K; k += 8) {
-                            if (b == 0) prefetch_ahead(w0, k * 4 * (int64_t)sizeof(T), K);
-                            __m256 xv = _mm256_loadu_ps(xb + k);
+                            if (b == 0) prefetch_ahead(w0, k * 4 * (int64_t)sizeof(T), 32 * (int64_t)sizeof(T));
+                            const __m256 xv = _mm256_loadu_ps(xb + k);
                             a0 = _mm256_fmadd_ps(xv, load<T>(w0 + k, bf16), a0);
                             a1 = _mm256_fmadd_ps(xv, load<T>(w1 + k, bf16), a1);
                             a2 = _mm256_fmadd_ps(xv, load<T>(w2 + k, bf16), a2);
@@ -358,7 +356,7 @@ struct Step {
                     const float* sb = xs_mine + b * nb;
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                     for (int64_t j = 0; j < nb; j++) {
-                        if (b == 0) prefetch_ahead(w0, j * 128, K);
+                        if (b == 0) prefetch_ahead(w0, j * 128, 128);
                         // 32 products summed in int32 (eight lanes): |x| as u8 times w carrying x's sign
                         const __m256i xv = _mm256_loadu_si256((const __m256i*)(xb + 32 * j));
                         const __m256i ax = _mm256_sign_epi8(xv, xv);
