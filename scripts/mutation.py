@@ -47,7 +47,7 @@ TEST_MAP = {
         "tests/test_checkpoint.py", "tests/test_bad_inputs_loading.py", "tests/test_tf_checkpoint.py",
         "tests/test_formats_rules.py",
     ],
-    "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py"],
+    "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py", "tests/test_explore_details.py"],
     "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
     "gpt2attn/interop/hooks.py": ["tests/test_import_hooks.py", "tests/test_import_hook_rules.py"],
     "gpt2attn/generation/": [
