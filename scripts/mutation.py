@@ -49,6 +49,12 @@ TEST_MAP = {
     ],
     "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py", "tests/test_explore_details.py"],
     "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
+    # The loop's own fast tests (a run of a fraction of a second each), so a mutant costs seconds, not
+    # the minutes of test_training_loop.py's end-to-end runs; pass --pytest-args "-m 'not slow'" to
+    # leave out test_training_rules.py's torchrun test too.
+    "gpt2attn/training/loop.py": [
+        "tests/test_training_loop_fast.py", "tests/test_training_rules.py", "tests/test_training.py",
+    ],
     "gpt2attn/interop/hooks.py": ["tests/test_import_hooks.py", "tests/test_import_hook_rules.py"],
     "gpt2attn/generation/": [
         "tests/test_generation.py", "tests/test_generation_exact.py",

@@ -1,0 +1,398 @@
+"""The training loop's rules on a model so small that a run takes a fraction of a second (one layer,
+n_embd 16, blocks of 8 characters, a handful of updates), so the mutation tool can rerun them
+for every planted bug in gpt2attn/training/loop.py. Every figure the loop reports (train loss,
+eval losses, tokens per second, learning rate) is recomputed here from the data, the seeds and
+the saved model rather than compared with a stored number."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gpt2attn import GPT2LMHeadModel
+from gpt2attn.errors import CheckpointError
+from gpt2attn.training import TokenData, distributed, latest_checkpoint, load_config, loop, read_metrics, train
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=8", "--batch_size=2", "--eval_iters=2",
+        "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4", "--lr_decay_iters=6", "--progress=false",
+        "--plot=false", "--device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    rng = random.Random(1)
+    path.write_text("".join(f"{rng.choice(('ROMEO', 'JULIET'))}: the {rng.choice(('moon', 'rose', 'night'))} is "
+                            f"{rng.choice(('red', 'pale', 'dark'))}.\n" for _ in range(120)))
+    return path
+
+
+def config(text_file, out_dir, *extra):
+    return load_config(None, [f"--data={text_file}", f"--out_dir={out_dir}", *TINY, *extra])
+
+
+def model_loss(model, data: TokenData, split: str, offsets: torch.Tensor) -> float:
+    x, y = data.batch(split, offsets)
+    with torch.no_grad():
+        logits = model(x).logits
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).item()
+
+
+def test_first_rows_train_loss_is_the_initial_models_loss_on_the_first_batch(text_file, tmp_path):
+    """Row 1's train_loss: the model built from cfg.seed, on the first batch drawn from cfg.seed."""
+    cfg = config(text_file, tmp_path, "--max_iters=1", "--eval_interval=1", "--log_interval=1")
+    train(cfg)
+    data = TokenData(tmp_path / "data", cfg.block_size)
+    torch.manual_seed(cfg.seed)
+    model = loop.build_model(cfg, data.vocab_size, None).eval()
+    offsets = data.offsets("train", cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[0]["train_loss"] == pytest.approx(model_loss(model, data, "train", offsets), rel=1e-5)
+
+
+def test_train_loss_is_the_mean_over_the_updates_since_the_last_row(text_file, tmp_path):
+    every = config(text_file, tmp_path / "every", "--max_iters=6", "--eval_interval=6", "--log_interval=1")
+    third = config(text_file, tmp_path / "third", "--max_iters=6", "--eval_interval=6", "--log_interval=3")
+    train(every)
+    train(third)
+    one = read_metrics(tmp_path / "every" / "metrics.jsonl")
+    three = read_metrics(tmp_path / "third" / "metrics.jsonl")
+    assert [r["step"] for r in three] == [3, 6]
+    assert three[0]["train_loss"] == pytest.approx(sum(r["train_loss"] for r in one[:3]) / 3, rel=1e-5)
+    assert three[1]["train_loss"] == pytest.approx(sum(r["train_loss"] for r in one[3:]) / 3, rel=1e-5)
+    assert three[1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-6)
+
+
+def test_accumulated_micro_batches_log_the_loss_of_the_whole_batch(text_file, tmp_path):
+    """2 micro-batches of 2 and one batch of 4 (the same blocks): the same train loss in every row."""
+    small = config(text_file, tmp_path / "a", "--max_iters=3", "--eval_interval=3", "--log_interval=1",
+                   "--gradient_accumulation_steps=2")
+    big = config(text_file, tmp_path / "b", "--max_iters=3", "--eval_interval=3", "--log_interval=1", "--batch_size=4",
+                 "--eval_iters=1")
+    train(small)
+    train(big)
+    a, b = read_metrics(tmp_path / "a" / "metrics.jsonl"), read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r["train_loss"] for r in a] == pytest.approx([r["train_loss"] for r in b], rel=1e-5)
+    assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-5)
+
+
+def test_eval_losses_are_the_final_models_on_the_fixed_eval_batches(text_file, tmp_path):
+    """val_loss and eval_train_loss: the published model's mean loss over eval_iters batches of each
+    split, drawn from cfg.seed + 1 (train's first, then val's), evaluated without dropout."""
+    cfg = config(text_file, tmp_path, "--max_iters=4", "--eval_interval=4", "--log_interval=4", "--dropout=0.3")
+    result = train(cfg)
+    data = TokenData(tmp_path / "data", cfg.block_size)
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+    rng = torch.Generator().manual_seed(cfg.seed + 1)
+    offsets = {split: data.offsets(split, cfg.eval_iters * cfg.batch_size, rng) for split in ("train", "val")}
+    expected = {split: sum(model_loss(model, data, split, chunk) for chunk in o.split(cfg.batch_size)) / cfg.eval_iters
+                for split, o in offsets.items()}
+    row = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert row["val_loss"] == pytest.approx(expected["val"], rel=1e-5)
+    assert row["eval_train_loss"] == pytest.approx(expected["train"], rel=1e-5)
+    assert result["val_loss"] == row["val_loss"] and result["train_loss"] == row["train_loss"]
+    assert result["step"] == 4 and result["model_dir"] == str(tmp_path / "model")
+
+
+def test_updates_run_in_training_mode_and_evaluations_in_eval_mode(text_file, tmp_path):
+    """Each update: gradient_accumulation_steps forward passes with dropout on and autograd on;
+    each evaluation: 2 x eval_iters passes with dropout off and no autograd; then training resumes."""
+    seen = []
+
+    def note(module, args):
+        if isinstance(module, GPT2LMHeadModel):
+            seen.append("T" if module.training and torch.is_grad_enabled() else
+                        "E" if not module.training and not torch.is_grad_enabled() else "?")
+
+    handle = register_module_forward_pre_hook(note)
+    try:
+        train(config(text_file, tmp_path, "--max_iters=4", "--eval_interval=2", "--log_interval=2", "--dropout=0.1",
+                     "--gradient_accumulation_steps=2"))
+    finally:
+        handle.remove()
+    assert "".join(seen) == "TTTT" + "EEEE" + "TTTT" + "EEEE"
+
+
+def test_tokens_per_s_and_seconds_follow_the_clock(text_file, tmp_path, monkeypatch):
+    """A fake clock that advances 1 s per reading: tokens_per_s is the tokens of the updates since the
+    last row over the time since then; seconds is the span from the first to the last reading."""
+    readings = []
+
+    def clock() -> float:
+        readings.append(100.0 + len(readings))
+        return readings[-1]
+
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=clock))
+    cfg = config(text_file, tmp_path, "--max_iters=5", "--eval_interval=5", "--log_interval=2",
+                 "--gradient_accumulation_steps=3")
+    result = train(cfg)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 5]
+    tokens = cfg.batch_size * cfg.block_size * 3  # per update
+    # each row is read 1 s after the previous row's last reading
+    assert [r["tokens_per_s"] for r in rows] == [tokens * 2 / 1.0, tokens * 2 / 1.0, tokens * 1 / 1.0]
+    assert result["seconds"] == readings[-1] - readings[0] > 0
+
+
+def test_lr_of_each_row_and_the_optimizer_follow_lr_at(text_file, tmp_path):
+    used = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    try:
+        cfg = config(text_file, tmp_path, "--max_iters=8", "--eval_interval=8", "--log_interval=1")
+        train(cfg)
+    finally:
+        handle.remove()
+    assert used == pytest.approx([loop.lr_at(s, cfg) for s in range(8)], rel=1e-12)
+    assert [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")] == pytest.approx(used, rel=1e-12)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_gradient_clipping(text_file, tmp_path, clip):
+    norms = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        train(config(text_file, tmp_path, "--max_iters=3", "--eval_interval=3", f"--grad_clip={clip}"))
+    finally:
+        handle.remove()
+    assert len(norms) == 3
+    if clip:
+        assert norms == pytest.approx([clip] * 3, rel=1e-4)
+    else:
+        assert min(norms) > 0.2  # unclipped: far above the clipped run's 0.05
+
+
+def test_each_update_gets_the_gradients_of_its_own_batch_only(text_file, tmp_path):
+    """Update 2's gradients are those of update 2's batch at the weights after update 1 (recomputed
+    on a copy of the model), not that plus update 1's left over."""
+    models, compared = [], []
+
+    def keep(module, args):
+        if isinstance(module, GPT2LMHeadModel) and module.training:
+            models[:] = [module]
+
+    def check(optimizer, args, kwargs):
+        compared.append(None)
+        if len(compared) < 2:
+            return
+        model = models[0]
+        data = TokenData(tmp_path / "data", cfg.block_size)
+        rng = torch.Generator().manual_seed(cfg.seed)
+        data.offsets("train", cfg.batch_size, rng)  # update 1's batch
+        x, y = data.batch("train", data.offsets("train", cfg.batch_size, rng))
+        twin = copy.deepcopy(model)
+        twin.zero_grad(set_to_none=True)
+        logits = twin(x).logits
+        F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).backward()
+        mine, theirs = dict(model.named_parameters()), dict(twin.named_parameters())
+        compared[-1] = max((mine[n].grad - theirs[n].grad).abs().max().item() for n in mine)
+
+    cfg = config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--grad_clip=0")
+    handles = [register_module_forward_pre_hook(keep), register_optimizer_step_pre_hook(check)]
+    try:
+        train(cfg)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert compared[0] is None and compared[1] < 1e-6
+
+
+def test_resume_continues_the_run_exactly(text_file, tmp_path):
+    """A run stopped at its step-3 checkpoint (with dropout, so the RNG states matter) and resumed
+    to step 6 gives the metrics and weights of a run straight to 6; rows the stopped run wrote after
+    its checkpoint are dropped. Resuming a finished run changes nothing and reports its last figures."""
+    common = ["--eval_interval=3", "--log_interval=1", "--dropout=0.2"]
+    train(config(text_file, tmp_path / "full", "--max_iters=6", *common))
+    cut = tmp_path / "cut"
+    train(config(text_file, cut, "--max_iters=3", *common))
+    with open(cut / "metrics.jsonl", "a") as f:  # as if it had gone on to step 4 and been killed
+        f.write(json.dumps({"step": 4, "train_loss": 9.0, "lr": 0.0, "tokens_per_s": 1.0}) + "\n")
+    state = loop.read_training_state(latest_checkpoint(cut))
+    assert state["step"] == 3 and state["cuda_rng"] is None and len(state["torch_rng"]) == 1
+    assert state["train_config"] == config(text_file, cut, "--max_iters=3", *common).to_dict()
+    result = train(config(text_file, cut, "--max_iters=6", "--resume", *common))
+    full, resumed = read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [r["step"] for r in full] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed, full):
+        assert a.keys() == b.keys()
+        for key in a.keys() - {"tokens_per_s"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+    a = load_file(cut / "model" / "model.safetensors")
+    b = load_file(tmp_path / "full" / "model" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert result["step"] == 6 and result["val_loss"] == full[-1]["val_loss"]
+
+    again = train(config(text_file, cut, "--max_iters=6", "--resume", *common))
+    assert read_metrics(cut / "metrics.jsonl") == resumed
+    assert (again["step"], again["train_loss"], again["val_loss"]) == (6, full[-1]["train_loss"], full[-1]["val_loss"])
+
+
+def test_published_model_is_the_checkpoint_without_its_training_state(text_file, tmp_path):
+    train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=1"))
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint.name == "step_0000002"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
+    names = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert "training_state.pt" not in names and "tokenizer.json" in names and "model.safetensors" in names
+    assert names == sorted(p.name for p in checkpoint.iterdir() if p.name != "training_state.pt")
+    assert (tmp_path / "model" / "tokenizer.json").read_bytes() == (tmp_path / "data" / "tokenizer.json").read_bytes()
+
+
+def test_latest_checkpoint_is_the_highest_step_folder(tmp_path):
+    assert loop.latest_checkpoint(tmp_path) is None  # no checkpoints/ at all
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    assert loop.latest_checkpoint(tmp_path) is None
+    for name in ("step_9", "step_10", "step_2"):
+        (root / name).mkdir()
+    (root / "step_99").write_text("a file, not a checkpoint")
+    (root / "step_50.tmp").mkdir()
+    (root / "xstep_70").mkdir()
+    assert loop.latest_checkpoint(tmp_path) == root / "step_10"
+
+
+def test_training_state_errors_name_the_file(tmp_path):
+    path = tmp_path / "training_state.pt"
+    torch.save({"step": 1, "optimizer": {}, "scheduler": {}, "batch_rng": None}, path)
+    with pytest.raises(CheckpointError, match="no torch_rng") as caught:
+        loop.read_training_state(tmp_path)
+    assert caught.value.file == str(path)
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match="no step, optimizer, scheduler, batch_rng, torch_rng"):
+        loop.read_training_state(tmp_path)
+
+
+def test_bad_runs_are_refused_before_training(text_file, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match=f"out_dir {a_file} is a file"):
+        train(config(text_file, a_file, "--max_iters=1"))
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint in"):
+        train(config(text_file, tmp_path / "new", "--max_iters=1", "--resume"))
+    with pytest.raises(ValueError, match="no training text"):
+        train(load_config(None, [f"--out_dir={tmp_path / 'new'}", *TINY, "--max_iters=1"]))
+    with pytest.raises(FileNotFoundError):
+        train(config(tmp_path / "absent.txt", tmp_path / "new", "--max_iters=1"))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_warnings_at_the_start(text_file, tmp_path):
+    """A run that ends inside its warmup says so; under several processes an accumulation count that
+    does not divide among them is rounded up, with the figures (checked up to the first error here:
+    out_dir is a file, raised after the warnings)."""
+    with pytest.warns(UserWarning, match=r"max_iters \(2\) < warmup_iters \(5\).*reaches 0.003"):
+        train(config(text_file, tmp_path / "short", "--max_iters=2", "--eval_interval=2", "--warmup_iters=5"))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cfg = config(text_file, a_file, "--max_iters=8", "--gradient_accumulation_steps=3")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="is a file"):
+        warnings.simplefilter("always")
+        loop._train(cfg, distributed.Dist(rank=0, world_size=2), torch.device("cpu"))
+    assert [str(w.message) for w in caught] == [
+        "gradient_accumulation_steps (3) is not a multiple of the 2 processes: each update takes 4 micro-batches, "
+        "2 per process"]
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="is a file"):
+        warnings.simplefilter("always")
+        loop._train(cfg, distributed.Dist(rank=1, world_size=2), torch.device("cpu"))  # only the main process warns
+        loop._train(config(text_file, a_file, "--max_iters=8", "--gradient_accumulation_steps=4"),
+                    distributed.Dist(rank=0, world_size=2), torch.device("cpu"))
+    assert caught == []
+
+
+def test_gradient_checkpointing_is_switched_on(text_file, tmp_path, monkeypatch):
+    calls = []
+    real = GPT2LMHeadModel.gradient_checkpointing_enable
+    monkeypatch.setattr(GPT2LMHeadModel, "gradient_checkpointing_enable",
+                        lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    train(config(text_file, tmp_path / "off", "--max_iters=1", "--eval_interval=1"))
+    assert calls == []
+    train(config(text_file, tmp_path / "on", "--max_iters=1", "--eval_interval=1", "--gradient_checkpointing"))
+    assert len(calls) == 1
+
+
+def test_progress_bar_only_when_asked(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path / "quiet", "--max_iters=3", "--eval_interval=3"))
+    assert capsys.readouterr().err == ""
+    train(config(text_file, tmp_path / "bar", "--max_iters=3", "--eval_interval=3", "--progress=true"))
+    err = capsys.readouterr().err
+    assert "3/3" in err and "step" in err and "loss=" in err
+
+
+def test_no_matplotlib_warns_once_and_skips_the_plot(text_file, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.warns(UserWarning, match=r"matplotlib is not installed.*--plot=false") as caught:
+        train(config(text_file, tmp_path / "plot", "--max_iters=2", "--eval_interval=2", "--plot=true"))
+    assert len(caught) == 1 and not (tmp_path / "plot" / "loss.png").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(config(text_file, tmp_path / "noplot", "--max_iters=2", "--eval_interval=2", "--plot=false"))
+
+
+def test_build_model_from_scratch_and_from_a_pretrained_folder(text_file, tmp_path):
+    cfg = config(text_file, tmp_path, "--max_iters=1", "--dropout=0.25")
+    model = loop.build_model(cfg, 40, None)
+    c = model.config
+    assert (c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head) == (40, 8, 16, 1, 2)
+    assert c.resid_pdrop == c.embd_pdrop == c.attn_pdrop == 0.25
+    assert c.bos_token_id is None and c.eos_token_id is None
+    model.save_pretrained(tmp_path / "base")
+
+    tuned = config(text_file, tmp_path, "--max_iters=1", "--dropout=0.1", f"--init_from={tmp_path / 'base'}")
+    loaded = loop.build_model(tuned, 40, None)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    dropouts = [m.p for m in loaded.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and set(dropouts) == {0.1}
+    c = loaded.config
+    assert c.resid_pdrop == c.embd_pdrop == c.attn_pdrop == 0.1
+    assert loop.build_model(tuned, 39, None).config.vocab_size == 40  # a smaller vocabulary fits
+    with pytest.raises(ValueError, match="the data's tokenizer has 41 tokens, the model only 40"):
+        loop.build_model(tuned, 41, None)
+    long = config(text_file, tmp_path, "--max_iters=1", "--block_size=9", f"--init_from={tmp_path / 'base'}")
+    with pytest.raises(ValueError, match="block_size 9 exceeds the model's n_positions 8"):
+        loop.build_model(long, 40, None)
+    assert loop.build_model(config(text_file, tmp_path, "--block_size=8", f"--init_from={tmp_path / 'base'}"),
+                            40, None).config.n_positions == 8
+
+
+def test_loss_png_plots_the_logged_losses(text_file, tmp_path, monkeypatch):
+    """loss.png (700 x 400 px): train_loss at every logged step, val_loss at every evaluation, axes
+    and legend labelled. The figure is caught as it is closed, to read back what was drawn."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or real_close(fig))
+    train(config(text_file, tmp_path, "--max_iters=6", "--eval_interval=3", "--log_interval=2", "--plot=true"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]
+    with Image.open(tmp_path / "loss.png") as image:
+        assert image.format == "PNG" and image.size == (700, 400)
+    (ax,) = figures[-1].axes
+    train_line, val_line = ax.lines
+    assert list(train_line.get_xdata()) == [2, 3, 4, 6]
+    assert list(train_line.get_ydata()) == [r["train_loss"] for r in rows]
+    assert list(val_line.get_xdata()) == [3, 6] and val_line.get_marker() == "o"
+    assert list(val_line.get_ydata()) == [rows[1]["val_loss"], rows[3]["val_loss"]]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "cross-entropy loss")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train (batch)", "val"]
+    # the figure is closed even when saving fails
+    figures.clear()
+    with pytest.raises(OSError):
+        loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl" / "loss.png")  # under a file
+    assert len(figures) == 1
