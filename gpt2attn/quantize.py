@@ -16,9 +16,9 @@ Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms a
 fp32. Each layer takes, per call:
   - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' matrix-vector
     products, which read each weight once on all of torch's threads (fp32 in the layer's own
-    layout, Conv1D's (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows, the
-    layout their dot products read fastest; int8 with the input quantized per step in blocks of 32
-    values, as llama.cpp's q8_0);
+    layout, Conv1D's (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows, read
+    by dot products; int8 with the input quantized per step in blocks of 32 values, as
+    llama.cpp's q8_0);
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
@@ -142,9 +142,9 @@ class PackedLinear(CpuLinear):
 
 
 class HalfLinear(PackedLinear):
-    """The weight in 16 bits (fp16 or bf16) as (out, in) rows (a Conv1D's is transposed once: the
-    rows kernel reads 16-bit weights at the memory's speed, the (in, out) one did not keep up);
-    products accumulate in fp32."""
+    """The weight in 16 bits (fp16 or bf16) as (out, in) rows (a Conv1D's is transposed once), the
+    layout of the head's kernel, which every 16-bit product then shares (the (in, out) layout
+    measured no faster for 16-bit decoding); products accumulate in fp32."""
 
     prefill_kernel = "torch (MKL) fp32 on the widened weight"
 

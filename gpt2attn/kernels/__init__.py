@@ -244,8 +244,9 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
 
 
 # One decoding step of a whole model (step.cpp): the model's weights described once, as C structs.
-# Kinds of weight matrix, as step.cpp numbers them: (K, N) Conv1D layout or (N, K) rows, by dtype.
-COLS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Kinds of weight matrix, as step.cpp numbers them: (K, N) Conv1D layout (fp32, the model's own
+# parameters) or (N, K) rows, by dtype.
+COLS = {torch.float32: 0}
 ROWS = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
 Q8_ROWS = 6
 

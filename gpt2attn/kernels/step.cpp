@@ -7,7 +7,7 @@
 // gpt2attn's preallocated KVCache block: (n_layer, 2, B, nh, capacity, hs).
 //
 // Each weight matrix is a `Matrix` of one kind:
-//   F32, F16, BF16           (K, N) row-major, Conv1D's layout, read as it is (no copy): threads
+//   F32                      (K, N) row-major, Conv1D's layout, read as it is (no copy): threads
 //                            take chunks of K rows, each a contiguous stretch of memory, and add
 //                            x[k] times every row into their own partial outputs, summed at the end
 //   F32_ROWS, F16_ROWS, BF16_ROWS  (N, K), nn.Linear's layout (the LM head, wte itself when tied):
@@ -28,7 +28,7 @@
 
 namespace {
 
-enum Kind : int32_t { F32 = 0, F16 = 1, BF16 = 2, F32_ROWS = 3, F16_ROWS = 4, BF16_ROWS = 5, Q8_ROWS = 6 };
+enum Kind : int32_t { F32 = 0, F32_ROWS = 3, F16_ROWS = 4, BF16_ROWS = 5, Q8_ROWS = 6 };  // 1, 2: unused
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
 constexpr int64_t KCHUNK = 32;  // rows of a (K, N) weight per chunk (a multiple of 8): 32 x 2304 fp32 = 295 KB, one stream
@@ -211,8 +211,6 @@ struct Step {
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         switch (W.kind) {
             case F32: cols<float, false>(W, x, y, y_stride, op); break;
-            case F16: cols<uint16_t, false>(W, x, y, y_stride, op); break;
-            case BF16: cols<uint16_t, true>(W, x, y, y_stride, op); break;
             case F32_ROWS: rows<float, false>(W, x, y, y_stride, op); break;
             case F16_ROWS: rows<uint16_t, false>(W, x, y, y_stride, op); break;
             case BF16_ROWS: rows<uint16_t, true>(W, x, y, y_stride, op); break;
@@ -407,7 +405,9 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, int64_t B, int6
                           float* logits, int threads) {
     const Model& m = *model;
     const int64_t C = m.n_embd, nh = m.n_head, hs = C / nh, inner = m.n_inner, V = m.vocab_size;
-    auto fits = [](const Matrix& w, int64_t K, int64_t N) { return w.K == K && w.N == N && w.kind >= F32 && w.kind <= Q8_ROWS; };
+    auto fits = [](const Matrix& w, int64_t K, int64_t N) {
+        return w.K == K && w.N == N && (w.kind == F32 || (w.kind >= F32_ROWS && w.kind <= Q8_ROWS));
+    };
     bool ok = fits(m.lm_head, C, V) && m.lm_head.kind >= F32_ROWS && hs * nh == C;  // the head is rows: no partials of V
     for (int64_t l = 0; l < m.n_layer; l++) {
         const Layer& L = m.layers[l];
