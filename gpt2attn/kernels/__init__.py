@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 SOURCES = [Path(__file__).with_name(name) for name in ("matvec.cpp", "step.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by both; part of the build's cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 NEEDS = ("avx2", "fma", "f16c")
 BLOCK = 32  # values per int8 block of x
@@ -108,7 +109,7 @@ def _build() -> Path:
     """Compile the kernels for this CPU into the cache (once per source, flags and CPU)."""
     compiler = _compiler()
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(), _cpu_name().encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(), _cpu_name().encode(),
                  " ".join(sorted(_cpu_flags())).encode()):
         key.update(part)
     target = cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"

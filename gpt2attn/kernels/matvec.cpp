@@ -20,40 +20,16 @@
 
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
 
 // Work is handed out in chunks (OpenMP's dynamic schedule), so a thread the OS holds back on a
 // busy machine delays the step by one chunk, not by its whole share.
 constexpr int64_t KROWS = 64;  // rows of W (K, N) per chunk of a cols product
 constexpr int64_t ROWS = 64;   // rows per chunk of a rows product
-
-// 8 weights widened to fp32
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p, bool bf16) {
-    __m128i h = _mm_loadu_si128((const __m128i*)p);
-    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-inline float widen(float v, bool) { return v; }
-inline float widen(uint16_t v, bool bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)v << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return _cvtsh_ss(v);
-}
-template <typename T> inline __m256 load(const T* p, bool bf16);
-template <> inline __m256 load<float>(const float* p, bool) { return load8(p); }
-template <> inline __m256 load<uint16_t>(const uint16_t* p, bool bf16) { return load8(p, bf16); }
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 // [start, end) of part `t` of `n` items split in `parts`, each start a multiple of `align`
 inline void slice(int64_t n, int parts, int t, int64_t align, int64_t* start, int64_t* end) {
@@ -207,26 +183,7 @@ void gpt2attn_rows_16(const float* x, int64_t B, int64_t K, const uint16_t* W, i
 // x (B, K), K a multiple of 32 -> xq (B, K) int8 and xs (B, K/32): per block scale = max|x|/127,
 // xq = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
 void gpt2attn_quantize_q8(const float* x, int64_t B, int64_t K, int8_t* xq, float* xs) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t j = 0; j < B * K / 32; j++) {
-        const float* p = x + j * 32;
-        __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        float scale = _mm_cvtss_f32(h) / 127.0f;
-        xs[j] = scale;
-        __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m256i a = _mm256_packs_epi32(q[0], q[1]), b = _mm256_packs_epi32(q[2], q[3]);  // lanes interleaved
-        __m256i v = _mm256_packs_epi16(a, b);
-        v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i*)(xq + j * 32), v);
-    }
+    gpt2attn::quantize_q8(x, B * K / 32, xq, xs);
 }
 
 // y (B, N) = (xq·xs) (B, K) · (Wq (N, K) · ws (N,))ᵀ + bias; K a multiple of 32

@@ -26,7 +26,11 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
 
 enum Kind : int32_t { F32 = 0, F32_ROWS = 3, F16_ROWS = 4, BF16_ROWS = 5, Q8_ROWS = 6 };  // 1, 2: unused
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
@@ -36,32 +40,6 @@ constexpr int64_t RCHUNK = 32;  // rows of an (N, K) weight per chunk
 #ifndef SPANS
 #define SPANS 4
 #endif
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-// 8 weights widened to fp32
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p, bool bf16) {
-    __m128i h = _mm_loadu_si128((const __m128i*)p);
-    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-template <typename T> inline __m256 load(const T* p, bool bf16);
-template <> inline __m256 load<float>(const float* p, bool) { return load8(p); }
-template <> inline __m256 load<uint16_t>(const uint16_t* p, bool bf16) { return load8(p, bf16); }
-inline float widen(float v, bool) { return v; }
-inline float widen(uint16_t v, bool bf16) {
-    if (!bf16) return _cvtsh_ss(v);
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 // e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
 // error below 1e-8), 2^n put into the exponent bits.
@@ -312,36 +290,12 @@ struct Step {
         });  // implicit barrier
     }
 
-    // x (B, K) -> q (B, K), scales (B, K / 32): each block of 32 scaled by its largest magnitude / 127,
-    // rounded half to even
-    void quantize(const float* x, int64_t K, int8_t* q, float* scales) {
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int64_t j = 0; j < B * K / 32; j++) {
-            const float* p = x + j * 32;
-            __m256 top = _mm256_setzero_ps();
-            for (int i = 0; i < 32; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-            const float scale = _mm_cvtss_f32(h) / 127.0f;
-            scales[j] = scale;
-            const __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-            __m256i lanes[4];
-            for (int i = 0; i < 4; i++)
-                lanes[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
-                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
-            v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // packs interleave lanes
-            _mm256_storeu_si256((__m256i*)(q + j * 32), v);
-        }
-    }
-
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, N = W.N, nb = K / 32;
         // every thread quantizes x for itself (a few microseconds): no barrier before the rows
         int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * maxK;
         float* xs_mine = xs.data() + omp_get_thread_num() * B * (maxK / 32);
-        quantize(x, K, xq_mine, xs_mine);
+        gpt2attn::quantize_q8(x, B * K / 32, xq_mine, xs_mine);
         const int8_t* w = (const int8_t*)W.weight;
         float* sums = acc.data() + omp_get_thread_num() * B * RCHUNK;
         const __m256i ones = _mm256_set1_epi16(1);
