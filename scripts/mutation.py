@@ -4,6 +4,7 @@
     python scripts/mutation.py gpt2attn/formats                 # a package, file by file
     python scripts/mutation.py --base main                      # the files this branch changes
     python scripts/mutation.py gpt2attn/formats --rev fa5d0e6   # the same, at an older commit
+    python scripts/mutation.py gpt2attn/formats --only /tmp/run1/summary.json  # rerun its survivors
 
 A mutant is "killed" when at least one test fails (or runs past its time limit) with the bug in
 place, and "survived" when every test still passes. The score of a file is killed / (killed +
@@ -40,12 +41,16 @@ REPO = Path(__file__).resolve().parents[1]
 # Which test files exercise which part of the package (the longest matching prefix wins; a module
 # with no entry gets the test files that import it by name).
 TEST_MAP = {
-    "gpt2attn/formats/gguf.py": ["tests/test_formats_gguf.py", "tests/test_formats_rules.py"],
-    "gpt2attn/formats/llmc.py": ["tests/test_formats_llmc.py", "tests/test_formats_rules.py"],
+    "gpt2attn/formats/gguf.py": [
+        "tests/test_formats_gguf.py", "tests/test_formats_rules.py", "tests/test_formats_gguf_details.py",
+    ],
+    "gpt2attn/formats/llmc.py": [
+        "tests/test_formats_llmc.py", "tests/test_formats_rules.py", "tests/test_formats_llmc_details.py",
+    ],
     "gpt2attn/formats/": [
         "tests/test_formats_gguf.py", "tests/test_formats_llmc.py", "tests/test_files.py",
         "tests/test_checkpoint.py", "tests/test_bad_inputs_loading.py", "tests/test_tf_checkpoint.py",
-        "tests/test_formats_rules.py",
+        "tests/test_formats_rules.py", "tests/test_formats_detect.py", "tests/test_formats_hf_details.py",
     ],
     "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py", "tests/test_explore_details.py"],
     "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
@@ -168,6 +173,20 @@ def tally(workdir: Path, files: list[str], sample: set[str] | None) -> dict[str,
     return table
 
 
+def chosen_mutants(items: list[str]) -> list[str]:
+    """Mutant names from `--only`: names as given, or the survivors listed in a summary.json."""
+    names = []
+    for item in items:
+        if item.endswith(".json"):
+            files = json.loads(Path(item).read_text())["files"]
+            names += [name for row in files.values() for name in row["survived"]]
+        else:
+            names.append(item)
+    if not names:
+        sys.exit(f"--only {' '.join(items)}: no mutant named (no survivors?)")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="*", help="files or folders under gpt2attn/ to mutate")
@@ -179,6 +198,9 @@ def main() -> None:
                     help="time limit per mutant, in multiples of its tests' clean time (default 5)")
     ap.add_argument("--sample", type=int, help="run only this many mutants, drawn at random (seeded)")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    ap.add_argument("--only", nargs="+", metavar="NAME_OR_SUMMARY",
+                    help="run only these mutants: mutmut names, or an earlier run's summary.json "
+                         "(its survivors), e.g. to check that new tests kill them")
     ap.add_argument("--pytest-args", default="",
                     help='extra pytest arguments for every run, e.g. "-m \'not slow\'"')
     ap.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one; kept)")
@@ -209,14 +231,16 @@ def main() -> None:
         env.setdefault("GPT2ATTN_SHARED_DATA", str(shared))
     command = [mutmut, "run", "--max-children", str(args.jobs)]
     with open(workdir / "mutmut.log", "w") as log:
-        if args.sample:
+        if args.only:
+            command += chosen_mutants(args.only)
+        elif args.sample:
             # Make the mutants and the test map without running any, then run a seeded sample.
             subprocess.run([*command, "no-such-mutant*"], cwd=workdir, env=env, stdout=log,
                            stderr=subprocess.STDOUT)
             names = sorted(n for f in files for n in mutant_names(workdir, f))
             command += random.Random(args.seed).sample(names, min(args.sample, len(names)))
         run = subprocess.run(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    table = tally(workdir, files, set(command[4:]) if args.sample else None)
+    table = tally(workdir, files, set(command[4:]) if args.sample or args.only else None)
     with open(workdir / "survivors.txt", "w") as out:
         for row in table.values():
             for name in row["survived"]:
