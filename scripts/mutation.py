@@ -51,6 +51,7 @@ TEST_MAP = {
         "tests/test_formats_gguf.py", "tests/test_formats_llmc.py", "tests/test_files.py",
         "tests/test_checkpoint.py", "tests/test_bad_inputs_loading.py", "tests/test_tf_checkpoint.py",
         "tests/test_formats_rules.py", "tests/test_formats_detect.py", "tests/test_formats_hf_details.py",
+        "tests/test_formats_checkpoint_details.py",
     ],
     "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py", "tests/test_explore_details.py"],
     "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
