@@ -86,9 +86,22 @@ def test_a_failing_bridge_warns_and_the_client_still_imports(stand_ins):
     (stand_ins / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
     importlib.invalidate_caches()
     hooks.install()
-    with pytest.warns(UserWarning, match=rf"{BRIDGE}.*RuntimeError: unknown client version"):
+    with pytest.warns(UserWarning, match=rf"{BRIDGE}.*RuntimeError: unknown client version") as caught:
+        import_line = sys._getframe().f_lineno + 1
         client = importlib.import_module(CLIENT)
     assert client.ready is True
+    # The warning points at the user's import, not at a line inside gpt2attn or importlib.
+    assert (caught[0].filename, caught[0].lineno) == (__file__, import_line)
+
+
+def test_a_failing_bridge_of_a_client_imported_first_warns_at_the_users_line(stand_ins):
+    (stand_ins / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
+    importlib.invalidate_caches()
+    importlib.import_module(CLIENT)  # imported before gpt2attn's hook: bridged by install()
+    with pytest.warns(UserWarning, match=BRIDGE) as caught:
+        install_line = sys._getframe().f_lineno + 1
+        hooks.install()
+    assert (caught[0].filename, caught[0].lineno) == (__file__, install_line)
 
 
 def test_the_finder_finds_nothing_itself(stand_ins):

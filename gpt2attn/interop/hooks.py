@@ -43,7 +43,23 @@ def _import_bridge(bridge: str) -> None:
         importlib.import_module(bridge)
     except Exception as e:
         warnings.warn(f"gpt2attn could not apply {bridge} ({type(e).__name__}: {e}); import it by hand to see why",
-                      stacklevel=2)
+                      stacklevel=_stacklevel_of_user_import())
+
+
+# Frames a warning skips on its way to the user's import line: gpt2attn's own and the import system's.
+_OWN_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+              os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep, "<frozen importlib")
+
+
+def _stacklevel_of_user_import() -> int:
+    """The `stacklevel` that points a warning raised in our caller at the first frame outside
+    gpt2attn and importlib: the user's `import peft` (or `import gpt2attn`) line."""
+    frame, level = sys._getframe(1), 1  # level 1 is the caller, where warnings.warn runs
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame = frame.f_back
+        if not frame.f_code.co_filename.startswith("<frozen importlib"):
+            level += 1  # warnings.warn counts no frame of the import system's frozen bootstrap
+    return level
 
 
 class _BridgeFinder(MetaPathFinder):
