@@ -42,24 +42,24 @@ def _import_bridge(bridge: str) -> None:
     try:
         importlib.import_module(bridge)
     except Exception as e:
-        warnings.warn(f"gpt2attn could not apply {bridge} ({type(e).__name__}: {e}); import it by hand to see why",
-                      stacklevel=_stacklevel_of_user_import())
+        _warn_at_users_line(f"gpt2attn could not apply {bridge} ({type(e).__name__}: {e}); "
+                            "import it by hand to see why")
 
 
-# Frames a warning skips on its way to the user's import line: gpt2attn's own and the import system's.
+# The frames a warning passes over on its way to the user's code: gpt2attn's and the import system's.
 _OWN_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
               os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep, "<frozen importlib")
 
 
-def _stacklevel_of_user_import() -> int:
-    """The `stacklevel` that points a warning raised in our caller at the first frame outside
-    gpt2attn and importlib: the user's `import peft` (or `import gpt2attn`) line."""
-    frame, level = sys._getframe(1), 1  # level 1 is the caller, where warnings.warn runs
+def _warn_at_users_line(message: str) -> None:
+    """A UserWarning attributed to the first frame outside gpt2attn and importlib: the user's
+    `import peft` (or `import gpt2attn`) line, however deep the import system called us."""
+    frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
         frame = frame.f_back
-        if not frame.f_code.co_filename.startswith("<frozen importlib"):
-            level += 1  # warnings.warn counts no frame of the import system's frozen bootstrap
-    return level
+    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
 class _BridgeFinder(MetaPathFinder):
