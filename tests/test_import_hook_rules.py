@@ -7,15 +7,12 @@ failing bridge warns and never breaks the user's import."""
 from __future__ import annotations
 
 import importlib
-import os
 import importlib.machinery
 import importlib.resources
 import subprocess
 import sys
 import textwrap
-import warnings
 from importlib.machinery import ModuleSpec
-from pathlib import Path
 
 import pytest
 
@@ -89,64 +86,9 @@ def test_a_failing_bridge_warns_and_the_client_still_imports(stand_ins):
     (stand_ins / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
     importlib.invalidate_caches()
     hooks.install()
-    with pytest.warns(UserWarning, match=rf"{BRIDGE}.*RuntimeError: unknown client version") as caught:
+    with pytest.warns(UserWarning, match=rf"{BRIDGE}.*RuntimeError: unknown client version"):
         client = importlib.import_module(CLIENT)
     assert client.ready is True
-    assert_not_attributed_to_gpt2attn_or_importlib(caught[0])
-
-
-def test_a_failing_bridge_of_a_client_imported_first_warns_outside_gpt2attn(stand_ins):
-    (stand_ins / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
-    importlib.invalidate_caches()
-    importlib.import_module(CLIENT)  # imported before gpt2attn's hook: bridged by install()
-    with pytest.warns(UserWarning, match=BRIDGE) as caught:
-        hooks.install()
-    assert_not_attributed_to_gpt2attn_or_importlib(caught[0])
-
-
-def assert_not_attributed_to_gpt2attn_or_importlib(warning) -> None:
-    """In this process the warning's line is this test's (or, under mutmut, its trampoline's, a
-    frame between the test and gpt2attn); the exact line is checked in a fresh interpreter below."""
-    package = Path(hooks.__file__).parents[1]
-    assert not Path(warning.filename).is_relative_to(package), warning.filename
-    assert not Path(warning.filename).is_relative_to(Path(importlib.__file__).parent), warning.filename
-    assert not warning.filename.startswith("<frozen"), warning.filename
-
-
-def test_a_failing_bridge_warns_once_per_line_like_any_warning(stand_ins):
-    """The warning goes through the user's line's registry: the "default" action shows it once."""
-    (stand_ins / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
-    importlib.invalidate_caches()
-    importlib.import_module(CLIENT)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(3):
-            hooks.install()  # bridges the client each time, and fails each time
-    assert len(caught) == 1 and BRIDGE in str(caught[0].message)
-
-
-# mutmut runs the mutated copy with its trampolines between every two of our functions, in the
-# fresh interpreter too: there the first frame outside gpt2attn is the trampoline's, not the script's.
-@pytest.mark.skipif("MUTANT_UNDER_TEST" in os.environ, reason="mutmut's trampolines are frames of their own")
-@pytest.mark.parametrize("imported_first", [False, True])
-def test_a_failing_bridge_warns_at_the_users_import_line(tmp_path, imported_first):
-    """A user's script, run by Python: the warning names the script and its import line."""
-    (tmp_path / f"{CLIENT}.py").write_text("ready = True\n")
-    (tmp_path / f"{BRIDGE}.py").write_text("raise RuntimeError('unknown client version')\n")
-    register = f"hooks.BRIDGES[{CLIENT!r}] = {BRIDGE!r}"
-    if imported_first:  # a client imported before gpt2attn's finder: install() bridges it at once
-        lines = [f"import {CLIENT}", "from gpt2attn.interop import hooks", register, "hooks.install()"]
-    else:  # importing gpt2attn put the finder first: the client's import brings the bridge
-        lines = ["from gpt2attn.interop import hooks", register, f"import {CLIENT}"]
-    warned_at = len(lines)
-    (tmp_path / "user.py").write_text("\n".join(lines) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "GPT2ATTN_NO_IMPORT_HOOKS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(hooks.__file__).parents[2])])
-    run = subprocess.run([sys.executable, str(tmp_path / "user.py")], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert run.stderr.count("UserWarning") == 1, run.stderr
-    assert f"user.py:{warned_at}: UserWarning: gpt2attn could not apply {BRIDGE}" in run.stderr, run.stderr
 
 
 def test_the_finder_finds_nothing_itself(stand_ins):

@@ -42,23 +42,8 @@ def _import_bridge(bridge: str) -> None:
     try:
         importlib.import_module(bridge)
     except Exception as e:
-        _warn_at_users_line(f"gpt2attn could not apply {bridge} ({type(e).__name__}: {e}); "
-                            "import it by hand to see why")
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gpt2attn/
-_IMPORT_SYSTEM = (os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep, "<frozen importlib")
-
-
-def _warn_at_users_line(message: str) -> None:
-    """A UserWarning attributed to the first frame outside gpt2attn and the import system: the
-    user's `import peft` (or `import gpt2attn`) line, however deep the import system called us."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith((_PACKAGE, *_IMPORT_SYSTEM)):
-        frame = frame.f_back
-    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"),
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+        warnings.warn(f"gpt2attn could not apply {bridge} ({type(e).__name__}: {e}); import it by hand to see why",
+                      stacklevel=2)
 
 
 class _BridgeFinder(MetaPathFinder):
