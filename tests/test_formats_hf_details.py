@@ -515,3 +515,82 @@ def test_model_file_names_are_the_ones_save_pretrained_writes():
     for name in ("tokenizer.json", "model.gguf", "model-1-of-3.safetensors", "xconfig.json", "model.safetensors.bak",
                  "generation_config.json", "vocab.json", "model-00001-of-0003.safetensors"):
         assert not hf.MODEL_FILE.fullmatch(name), name
+
+
+# --- details that earlier tests left open (each found by a surviving mutant) ---------------------
+
+
+def test_header_errors_show_the_value_at_fault(tmp_path):
+    unhashable = header_error(tmp_path, {"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4))
+    assert "tensor x has unsupported dtype ['F32']" in unhashable
+    metadata = header_error(tmp_path, {"__metadata__": {"format": 1}}, b"")
+    assert "__metadata__ must be an object of strings, found {'format': 1}" in metadata
+    later = header_error(tmp_path, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 16]}}, bytes(16))
+    assert "tensor b: data_offsets [4, 16] span 12 bytes, its shape [2] needs 8" in later
+
+
+def test_the_header_is_compact_json_padded_with_the_fewest_spaces(tmp_path):
+    """As the reference writer does: compact JSON, then 0 to 7 spaces so the data starts at a
+    multiple of 8. Names of 1 to 8 letters give every header length modulo 8."""
+    residues = set()
+    for k in range(1, 9):
+        path = tmp_path / f"{k}.safetensors"
+        hf.write_safetensors(path, {"x" * k: torch.tensor([1.0, 2.0])})
+        n, header = stored_header(path)
+        text = path.read_bytes()[8:8 + n]
+        compact = json.dumps(header, separators=(",", ":")).encode()
+        assert text.rstrip(b" ") == compact and n % 8 == 0 and n - len(compact) < 8, k
+        residues.add(len(compact) % 8)
+        assert torch.equal(load_file(path)["x" * k], torch.tensor([1.0, 2.0]))
+    assert residues == set(range(8))
+
+
+def test_shards_count_the_bytes_since_the_last_split():
+    t = {name: torch.zeros(8, dtype=torch.uint8) for name in "abc"}
+    assert [list(s) for s in hf.split_shards(t, 20)] == [["a", "b"], ["c"]]  # 8 + 8 + 8 > 20
+    t = {"x": torch.zeros(15, dtype=torch.uint8), "y": torch.zeros(10, dtype=torch.uint8),
+         "z": torch.zeros(10, dtype=torch.uint8)}
+    assert [list(s) for s in hf.split_shards(t, 20)] == [["x"], ["y", "z"]]  # y + z is exactly 20
+
+
+@torch.no_grad()
+def test_exactly_two_shards_get_an_index(tmp_path):
+    model = lm()
+    stored = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}
+    sizes = [t.numel() * t.element_size() for t in stored.values()]
+    model.save_pretrained(tmp_path / "m", max_shard_size=sum(sizes) - sizes[-1])  # all but the last tensor fit
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    last = list(stored)[-1]
+    assert index["weight_map"] == {k: "model-00002-of-00002.safetensors" if k == last else "model-00001-of-00002.safetensors"
+                                   for k in stored}
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "m")
+    assert torch.equal(loaded(TOKENS).logits, model(TOKENS).logits)
+
+
+def test_write_model_writes_safetensors_unless_told(tmp_path):
+    """training/loop.py publishes its model with write_model(model, folder): safetensors by default."""
+    model = lm()
+    (tmp_path / "m").mkdir()
+    hf.write_model(model, tmp_path / "m")
+    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_a_state_read_from_a_folder_writes_back_as_it_was(tmp_path):
+    """read() gives a tied model's state without lm_head; write() takes it back."""
+    model = lm()
+    model.save_pretrained(tmp_path / "a")
+    config, state, _ = hf.read(tmp_path / "a")
+    assert "lm_head.weight" not in state
+    hf.write(tmp_path / "b", state, config)
+    again = load_file(tmp_path / "b" / "model.safetensors")
+    assert sorted(again) == sorted(state) and all(torch.equal(again[k], state[k]) for k in state)
+
+
+@torch.no_grad()
+def test_a_model_without_a_head_keeps_a_given_head(tmp_path):
+    """Nothing of a GPT2Model is tied to a head: a head in the state dict it is given is saved."""
+    state = {k: t.clone() for k, t in lm().state_dict().items()}
+    GPT2Model(tiny_config()).save_pretrained(tmp_path / "m", state_dict=state)
+    stored = load_file(tmp_path / "m" / "model.safetensors")
+    assert sorted(stored) == sorted(state) and torch.equal(stored["lm_head.weight"], state["lm_head.weight"])
