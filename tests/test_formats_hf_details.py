@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gpt2attn import CheckpointError, GPT2LMHeadModel, GPT2Model
+from gpt2attn import formats
 from gpt2attn.formats import hf
 from gpt2attn.formats.state_dict import MAX_DIM_SIZE, MAX_DIMS
 from helpers import randomize, tiny_config
@@ -368,6 +369,23 @@ def test_write_puts_a_gpt2lmheadmodel_folder_in_the_requested_dtype(tmp_path):
     hf.write(folder, model.state_dict(), model.config)  # no dtype: as stored
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float32"
     assert load_file(folder / "model.safetensors")["transformer.wte.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name, expected", [("bf16", torch.bfloat16), ("float16", torch.float16),
+                                             ("torch.bfloat16", torch.bfloat16), ("fp32", torch.float32)])
+def test_save_takes_a_dtype_name_as_the_other_writers_do(tmp_path, name, expected):
+    model = lm()
+    formats.save(model, tmp_path / "m", dtype=name)
+    stored = load_file(tmp_path / "m" / "model.safetensors")
+    assert stored["transformer.wte.weight"].dtype == expected
+    assert torch.equal(stored["transformer.wte.weight"], model.transformer.wte.weight.detach().to(expected))
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == str(expected).removeprefix("torch.")
+
+
+def test_save_refuses_an_unknown_dtype_name_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        formats.save(lm(), tmp_path / "m", dtype="int3")
+    assert not (tmp_path / "m").exists()
 
 
 def test_write_keeps_an_untied_head_and_adds_a_tokenizer(tmp_path):

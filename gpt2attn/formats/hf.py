@@ -26,7 +26,7 @@ from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
 from ..layers import ACTIVATIONS
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
-from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, read_bin
+from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, read_bin, resolve_dtype
 
 NAME = "hf"
 SUFFIXES = ("",)  # a folder: convert writes one for any destination without another format's suffix
@@ -211,10 +211,12 @@ def check_safetensors_header(path: Path, header: Any, data_size: int) -> list[tu
 # --- writing --------------------------------------------------------------------------------
 
 
-def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: torch.dtype | None = None,
+def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: Any = None,
           tokenizer: Any = None) -> None:
     """An HF folder of a GPT2LMHeadModel's state dict (tied head left out), swapped in whole;
-    a `tokenizers.Tokenizer` goes beside it as tokenizer.json."""
+    a `tokenizers.Tokenizer` goes beside it as tokenizer.json. dtype: None (as stored), a torch
+    dtype or a name ('bf16', 'float16', ...)."""
+    dtype = resolve_dtype(dtype, config)
     state = {name: t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
              for name, t in state_dict.items()}
     if config.tie_word_embeddings:
