@@ -323,3 +323,46 @@ def test_nanogpt_model_that_is_not_a_state_dict(tmp_path):
     checkpoint["model"] = [torch.zeros(2)]
     path = save(tmp_path, checkpoint)
     assert load_error(path) == f"{path}: the nanoGPT checkpoint's 'model' is not a state dict of tensors"
+
+
+# --- dtype= of from_pretrained -----------------------------------------------------------------------
+
+
+def tiny_state(dtype=torch.float32):
+    return {name: t.to(dtype) for name, t in randomize(GPT2LMHeadModel(tiny_config())).state_dict().items()}
+
+
+def loaded_dtypes(state, config, dtype):
+    model = GPT2LMHeadModel.from_pretrained(state, config=config, dtype=dtype)
+    return {p.dtype for p in model.parameters()}
+
+
+@pytest.mark.parametrize("extra, stored, expected", [
+    ({"torch_dtype": "bfloat16"}, torch.float32, torch.bfloat16),
+    ({"dtype": "float16"}, torch.float32, torch.float16),  # the key newer transformers write
+    ({"torch_dtype": "float32"}, torch.float16, torch.float32),
+    ({}, torch.float16, torch.float16),  # no dtype in the config: as stored
+    ({"torch_dtype": "float64"}, torch.float16, torch.float16),  # a name gpt2attn does not cast to: as stored
+], ids=["torch_dtype-bf16", "dtype-fp16", "torch_dtype-fp32", "none", "unknown-name"])
+def test_dtype_auto_is_the_configs_dtype(extra, stored, expected):
+    config = tiny_config(**extra)
+    assert loaded_dtypes(tiny_state(stored), config, "auto") == {expected}
+
+
+@pytest.mark.parametrize("dtype, expected", [
+    ("torch.float16", torch.float16),  # str(torch.float16), as a config or a command line gives it
+    ("half", torch.float16),
+    ("bf16", torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float64, torch.float64),  # any torch dtype, not only the named ones
+    (None, torch.float32),  # as stored
+])
+def test_dtype_names_and_torch_dtypes(dtype, expected):
+    assert loaded_dtypes(tiny_state(), tiny_config(), dtype) == {expected}
+
+
+def test_unknown_dtype_name_lists_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        GPT2LMHeadModel.from_pretrained(tiny_state(), config=tiny_config(), dtype="float8")
+    names = ["float32", "fp32", "float", "float16", "fp16", "half", "bfloat16", "bf16"]
+    assert str(err.value) == f"unknown dtype 'float8'; use one of {', '.join(names)} or 'auto'"
