@@ -298,6 +298,29 @@ def test_nanogpt_without_biases_whose_model_args_do_not_fit_its_weights(tmp_path
     assert fragment in load_error(save(tmp_path, checkpoint))
 
 
+@torch.no_grad()
+def test_nanogpt_checkpoint_with_causal_mask_buffers_loads(tmp_path):
+    """nanoGPT without flash attention (PyTorch < 2.0) registers each block's causal mask as the
+    buffer attn.bias, saved among the weights (before attn.c_attn in state_dict order). The masks
+    are not weights: they are skipped, and every weight after them is still read."""
+    checkpoint = nanogpt_checkpoint()
+    reference = load(save(tmp_path, checkpoint)).state_dict()
+    mask = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32)
+    with_masks = {}
+    for name, t in checkpoint["model"].items():
+        if name.endswith(".attn.c_attn.weight"):
+            with_masks[name.removesuffix("c_attn.weight") + "bias"] = mask
+        with_masks[name] = t
+    assert len(with_masks) == len(checkpoint["model"]) + 2
+    path = tmp_path / "masks" / "ckpt.pt"
+    path.parent.mkdir()
+    torch.save({**checkpoint, "model": with_masks}, path)
+    loaded = load(path).state_dict()
+    assert list(loaded) == list(reference)
+    for name, t in reference.items():
+        assert torch.equal(loaded[name], t), name
+
+
 def test_nanogpt_linear_weight_that_is_not_a_matrix(tmp_path):
     checkpoint = nanogpt_checkpoint()
     name = "_orig_mod.transformer.h.0.attn.c_attn.weight"
