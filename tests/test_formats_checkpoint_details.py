@@ -20,7 +20,7 @@ import torch.serialization
 from gpt2attn import CheckpointError, GPT2Config, GPT2LMHeadModel
 from gpt2attn.formats.state_dict import check_state_dict, refused
 from gpt2attn.training.loop import read_training_state
-from helpers import mapped_ranges, randomize, tiny_config
+from helpers import randomize, tiny_config
 
 LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -87,7 +87,10 @@ def assert_same_weights(loaded, model):
 
 
 def is_mapped(tensor, path: Path) -> bool:
-    return any(start <= tensor.data_ptr() < end for start, end in mapped_ranges(path.resolve()))
+    """Whether the tensor's memory is a map of `path` (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        ranges = [line.split()[0].split("-") for line in maps if line.rstrip().endswith(str(path.resolve()))]
+    return any(int(start, 16) <= tensor.data_ptr() < int(end, 16) for start, end in ranges)
 
 
 @torch.no_grad()
