@@ -18,7 +18,7 @@ import torch
 import torch.serialization
 
 from gpt2attn import CheckpointError, GPT2Config, GPT2LMHeadModel
-from gpt2attn.formats.state_dict import check_state_dict, refused
+from gpt2attn.formats.state_dict import check_state_dict, read_bin, refused
 from gpt2attn.training.loop import read_training_state
 from helpers import randomize, tiny_config
 
@@ -217,6 +217,16 @@ def test_refusal_without_a_global_named_and_other_unpickling_errors():
     error = refused(path, pickle.UnpicklingError("invalid load key, 'x'."))
     assert type(error) is CheckpointError and error.file == str(path)
     assert str(error) == f"{path}: cannot read this PyTorch checkpoint (truncated or corrupt?): invalid load key, 'x'."
+
+
+@pytest.mark.parametrize("content", [b"<html><body>404 Not Found</body></html>\n", b"", b"version https://git-lfs"])
+def test_a_file_that_is_neither_zip_nor_pickle_is_not_called_a_refusal(tmp_path, content):
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        read_bin(path)
+    assert str(err.value) == (f"{path}: not a PyTorch checkpoint: starts with {content[:4]!r}, "
+                              "neither a zip archive nor a pickle (a failed download?)")
 
 
 def test_a_missing_pickle_file_is_file_not_found_naming_it(tmp_path):

@@ -105,6 +105,13 @@ def torch_load(path: Path) -> Any:
     errors name the file and say whether it was refused or could not be read."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive, or (before torch 1.6) a pickle that opens with a PROTO opcode.
+    # Anything else (an HTML error page saved under the name, an empty file) is not a refusal.
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":
+        raise CheckpointError(path, f"not a PyTorch checkpoint: starts with {head!r}, "
+                                    "neither a zip archive nor a pickle (a failed download?)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
