@@ -74,10 +74,11 @@ def fake_hub_cache(cache, repo_id, model):
 def mapped_ranges(path) -> list[tuple[int, int]]:
     """Address ranges where this process maps `path` (Linux /proc/self/maps)."""
     ranges = []
-    for line in open("/proc/self/maps"):
-        if line.rstrip().endswith(str(path)):
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            ranges.append((start, end))
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path)):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((start, end))
     return ranges
 
 
