@@ -71,6 +71,7 @@ TEST_MAP = {
 
 # mutmut's exit codes, grouped the way the score counts them.
 KILLED = {1, 3, 24, -24, 152, 255, 36, 37}  # a test failed, pytest crashed, or the time limit hit
+TIMEOUT = {24, -24, 152, 255, 36}  # the killed ones that only ran out of time: check them on a loaded machine
 SURVIVED = {0, 5, 33}  # every test passed, or no test ran the mutated function
 SKIPPED = {34}
 
@@ -167,8 +168,9 @@ def tally(workdir: Path, files: list[str], sample: set[str] | None) -> dict[str,
         survived = sorted(k for k, c in codes.items() if c in SURVIVED)
         other = sorted(k for k, c in codes.items() if c not in KILLED | SURVIVED | SKIPPED)
         counted = len(killed) + len(survived)
+        timeouts = sorted(k for k, c in codes.items() if c in TIMEOUT)
         table[f] = {
-            "mutants": len(codes), "killed": len(killed), "survived": survived, "other": other,
+            "mutants": len(codes), "killed": len(killed), "timeouts": timeouts, "survived": survived, "other": other,
             "score": round(100 * len(killed) / counted, 1) if counted else None,
         }
     return table
@@ -251,12 +253,15 @@ def main() -> None:
     (workdir / "summary.json").write_text(json.dumps(
         {"rev": args.rev or "working tree", "tests": tests, "files": table}, indent=1))
 
-    print(f"\n{'file':44} {'mutants':>7} {'killed':>6} {'survived':>8} {'score':>6}")
+    print(f"\n{'file':44} {'mutants':>7} {'killed':>6} {'(timeouts)':>10} {'survived':>8} {'score':>6}")
     for f, row in table.items():
         score = "-" if row["score"] is None else f"{row['score']:.1f}%"
-        print(f"{f:44} {row['mutants']:7d} {row['killed']:6d} {len(row['survived']):8d} {score:>6}")
+        print(f"{f:44} {row['mutants']:7d} {row['killed']:6d} {len(row['timeouts']):10d} {len(row['survived']):8d} {score:>6}")
         if row["other"]:
             print(f"    not counted (suspicious/segfault/not run): {len(row['other'])}")
+    if any(row["timeouts"] for row in table.values()):
+        print("timeouts count as killed; on a loaded machine some are only slow: rerun them with "
+              f"--only NAMES --timeout-factor 15 (names in {workdir / 'summary.json'})")
     print(f"\nsurvivors' diffs: {workdir / 'survivors.txt'}   log: {workdir / 'mutmut.log'}")
     if run.returncode != 0:
         sys.exit(f"mutmut exited with {run.returncode}; see {workdir / 'mutmut.log'}")
