@@ -1,0 +1,359 @@
+"""GGUF details a user sees, found by mutation testing (scripts/mutation.py): how the reader parses
+each part of a file (value types, arrays, bounds, alignment, tensor table) and names what is wrong,
+which metadata it takes for the config and tokenizer, and what the writer puts in a file.
+
+Files here are built byte by byte by `gguf_bytes` below, from the GGUF layout as llama.cpp's
+ggml/docs/gguf.md and gguf-py describe it (little-endian; header: magic, version u32, tensor count
+u64, metadata count u64; each metadata entry: key string, value type u32, value; each tensor entry:
+name string, n_dims u32, ne[n_dims] u64 innermost first, GGML type u32, data offset u64; tensor data
+from the first multiple of general.alignment (default 32) after the table), or written by gguf-py's
+own GGUFWriter, and what the writer wrote is read back by gguf-py's GGUFReader: never by our reader
+alone."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2attn import GPT2LMHeadModel
+from gpt2attn.formats import gguf as ours, save
+from helpers import randomize, tiny_config
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'gpt2attn[gguf]') reads GGUF")
+
+# GGUF metadata value types (gguf.md: GGUFValueType) and their struct formats
+U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
+FORMATS = {U8: "B", I8: "b", U16: "H", I16: "h", U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q", I64: "q",
+           F64: "d"}
+# GGML tensor type ids (ggml.h: enum ggml_type)
+T_F32, T_F16, T_Q8_0, T_Q2_K, T_BF16 = 0, 1, 8, 10, 30
+
+
+def string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def payload(kind: int, value) -> bytes:
+    if kind == STR:
+        return string(value)
+    if kind == ARR:
+        item, items = value
+        return struct.pack("<IQ", item, len(items)) + b"".join(payload(item, v) for v in items)
+    return struct.pack("<" + FORMATS[kind], value)
+
+
+def gguf_bytes(fields=(), tensors=(), *, version: int = 3, alignment: int = 32, offsets=None) -> bytes:
+    """A GGUF file: fields as (key, value type, value); tensors as (name, GGML type id, ne, raw bytes),
+    their data laid out in order, each at the next multiple of `alignment` (or at `offsets`)."""
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(fields))
+    for key, kind, value in fields:
+        out += string(key) + struct.pack("<I", kind) + payload(kind, value)
+    data, places = b"", []
+    for i, (_, _, _, raw) in enumerate(tensors):
+        place = len(data) + -len(data) % alignment if offsets is None else offsets[i]
+        data += b"\0" * (place - len(data)) + raw
+        places.append(place)
+    for (name, type_id, ne, _), offset in zip(tensors, places):
+        out += string(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+        out += struct.pack("<IQ", type_id, offset)
+    return out + b"\0" * (-len(out) % alignment) + data if tensors else out  # no padding without tensors
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def f32(array) -> bytes:
+    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+
+
+def model_of(**overrides) -> GPT2LMHeadModel:
+    return randomize(GPT2LMHeadModel(tiny_config(**overrides)), std=0.1).eval()
+
+
+LLAMA = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}
+BLOCKS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+          "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+
+
+def model_tensors(model: GPT2LMHeadModel, output: bool = True) -> list:
+    """The model's tensors in llama.cpp's names and layouts, F32: (name, type, ne, bytes)."""
+    out = []
+    for key, value in model.state_dict().items():
+        parts = key.split(".")
+        if key == "lm_head.weight":
+            continue
+        value = value.detach().numpy()
+        if parts[1] == "h":
+            name = f"blk.{parts[2]}.{BLOCKS['.'.join(parts[3:-1])]}.{parts[-1]}"
+            if value.ndim == 2:
+                value = value.T  # Conv1D (in, out) -> Linear (out, in)
+        else:
+            name = f"{LLAMA[parts[1]]}.{parts[2]}"
+        out.append((name, T_F32, tuple(reversed(value.shape)), f32(value)))
+    if output:
+        wte = next(t for t in out if t[0] == "token_embd.weight")
+        out.append(("output.weight",) + wte[1:])
+    return out
+
+
+def config_fields(model: GPT2LMHeadModel, **changes) -> list:
+    """gpt2.* metadata of the model, as llama.cpp's converter writes it; changes replace (key suffix
+    -> (type, value)) or, with None, drop a key."""
+    c = model.config
+    fields = {
+        "general.architecture": (STR, "gpt2"),
+        "gpt2.block_count": (U32, c.n_layer),
+        "gpt2.context_length": (U32, c.n_positions),
+        "gpt2.embedding_length": (U32, c.n_embd),
+        "gpt2.feed_forward_length": (U32, c.inner_dim),
+        "gpt2.attention.head_count": (U32, c.n_head),
+        "gpt2.attention.layer_norm_epsilon": (F32, c.layer_norm_epsilon),
+    }
+    for key, value in changes.items():
+        key = key.replace("__", ".")
+        if value is None:
+            fields.pop(key, None)
+        else:
+            fields[key] = value
+    return [(k, kind, v) for k, (kind, v) in fields.items()]
+
+
+def model_file(path: Path, model: GPT2LMHeadModel, extra=(), tensors=None, **changes) -> Path:
+    return write_bytes(path, gguf_bytes(config_fields(model, **changes) + list(extra),
+                                        model_tensors(model) if tensors is None else tensors))
+
+
+def assert_same_weights(a: GPT2LMHeadModel, b: GPT2LMHeadModel) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def refused(path: Path, *words: str, reader=None) -> str:
+    """The CheckpointError (a ValueError) reading path raises; it names the file and each of words."""
+    with pytest.raises(ValueError) as error:
+        (reader or GPT2LMHeadModel.from_pretrained)(path)
+    message = str(error.value)
+    assert message.startswith(str(path)), message
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+# --- the builder itself, checked against gguf-py's reader ------------------------------------------------
+
+
+def test_the_byte_builder_writes_what_gguf_py_reads(tmp_path):
+    model = model_of()
+    path = model_file(tmp_path / "m.gguf", model)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["gpt2.embedding_length"].contents() == 32
+    assert reader.fields["general.architecture"].contents() == "gpt2"
+    qkv = next(t for t in reader.tensors if t.name == "blk.1.attn_qkv.weight")
+    assert np.array_equal(np.asarray(qkv.data), model.transformer.h[1].attn.c_attn.weight.detach().numpy().T)
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(path), model)
+
+
+# --- the metadata values: every GGUF value type, arrays, nesting ------------------------------------------
+
+
+def test_every_value_type_and_array_reads_back_as_written(tmp_path):
+    fields = [
+        ("u8", U8, 255), ("i8", I8, -128), ("u16", U16, 65535), ("i16", I16, -32768), ("u32", U32, 2**32 - 1),
+        ("i32", I32, -(2**31)), ("f32", F32, 0.375), ("yes", BOOL, True), ("no", BOOL, False),
+        ("u64", U64, 2**64 - 1), ("i64", I64, -(2**63)), ("f64", F64, 0.1), ("café", STR, "naïve ✓"),
+        ("empty", STR, ""),
+        ("a.u8", ARR, (U8, [0, 200, 255])), ("a.i8", ARR, (I8, [-1, 1])), ("a.u16", ARR, (U16, [65535])),
+        ("a.i16", ARR, (I16, [-2, 3])), ("a.u32", ARR, (U32, [7, 2**32 - 1])), ("a.i32", ARR, (I32, [-5, 9])),
+        ("a.f32", ARR, (F32, [0.5, -2.25])), ("a.u64", ARR, (U64, [2**63 + 1])), ("a.i64", ARR, (I64, [-3])),
+        ("a.f64", ARR, (F64, [0.1, 1e300])), ("a.bool", ARR, (BOOL, [True, False, True])),
+        ("a.str", ARR, (STR, ["x", "", "yz"])), ("a.none", ARR, (U32, [])), ("a.nostr", ARR, (STR, [])),
+        ("a.a", ARR, (ARR, [(I32, [1, -2]), (STR, ["p", "q"]), (U8, [])])),
+    ]
+    path = write_bytes(tmp_path / "v.gguf", gguf_bytes(fields))
+    file = ours.GGUFFile(path)
+    expected = {key: value[1] if kind == ARR and value[0] != ARR else value for key, kind, value in fields}
+    expected["a.a"] = [[1, -2], ["p", "q"], []]
+    assert file.fields == expected
+    assert type(file.fields["yes"]) is bool and [type(v) for v in file.fields["a.bool"]] == [bool] * 3
+    assert file.tensors == {}
+    theirs = gguf.GGUFReader(str(path))  # the builder agrees with gguf-py
+    assert theirs.fields["a.str"].contents() == ["x", "", "yz"] and theirs.fields["i64"].contents() == -(2**63)
+
+
+def test_a_file_of_exactly_its_entries_reads(tmp_path):
+    """The header's fit check (13 bytes at least per metadata entry) lets through a file whose
+    entries take exactly that: an empty key and a uint8 value."""
+    data = gguf_bytes([("", U8, 9)])
+    assert len(data) == 24 + 13
+    file = ours.GGUFFile(write_bytes(tmp_path / "e.gguf", data))
+    assert file.fields == {"": 9}
+    two = gguf_bytes([("", U8, 1), ("", U8, 2)])  # the later entry of a repeated key wins
+    assert ours.GGUFFile(write_bytes(tmp_path / "two.gguf", two)).fields == {"": 2}
+
+
+HEADER = b"GGUF" + struct.pack("<I", 3)
+
+
+@pytest.mark.parametrize("data, where", [
+    (b"", "magic is b''"),
+    (b"GGU", "magic is b'GGU'"),
+    (b"GGUF", "version None"),
+    (b"GGUF\x03\x00\x00", "version None"),
+    (HEADER + struct.pack("<Q", 0), "cannot read the header at byte 16"),
+    (HEADER, "cannot read the header at byte 8"),
+    # two entries of 13 bytes at least in 24 bytes; one tensor entry of 28 at least in 27
+    (HEADER + struct.pack("<QQ", 0, 2) + b"\0" * 24, "the header at byte 24 (0 tensors and 2 metadata entries do not fit in 48 bytes)"),
+    (HEADER + struct.pack("<QQ", 1, 0) + b"\0" * 27, "the header at byte 24 (1 tensors and 0 metadata entries do not fit in 51 bytes)"),
+    (HEADER + struct.pack("<QQ", 0, 2**62) + b"\0" * 24, "do not fit"),
+    (HEADER + struct.pack("<QQ", 2**62, 0) + b"\0" * 24, "do not fit"),
+])
+def test_a_broken_header_is_named_with_the_byte(tmp_path, data, where):
+    path = write_bytes(tmp_path / "h.gguf", data)
+    refused(path, where, reader=ours.GGUFFile)
+
+
+def test_the_fit_check_counts_28_bytes_per_tensor_and_13_per_entry(tmp_path):
+    """Counts that fit the check exactly go on to the table, where the damage is then named."""
+    one_tensor = HEADER + struct.pack("<QQ", 1, 0) + b"\xff" * 28  # a tensor name of 2**64-1 bytes
+    refused(write_bytes(tmp_path / "t.gguf", one_tensor), "cannot read a tensor name at byte 32",
+            "runs past the end", reader=ours.GGUFFile)
+    two_fields = HEADER + struct.pack("<QQ", 0, 2) + b"\xff" * 26
+    refused(write_bytes(tmp_path / "f.gguf", two_fields), "cannot read a metadata key at byte 32",
+            "a string of 18446744073709551615 bytes runs past the end", reader=ours.GGUFFile)
+
+
+def entry_bytes(key: str, kind: int, rest: bytes) -> bytes:
+    return HEADER + struct.pack("<QQ", 0, 1) + string(key) + struct.pack("<I", kind) + rest
+
+
+@pytest.mark.parametrize("data, where", [
+    (entry_bytes("k", 13, b"\0" * 8), "cannot read metadata k at byte 37 (unknown value type 13)"),
+    (entry_bytes("k", U32, b"\0" * 3), "cannot read metadata k at byte 37"),
+    (entry_bytes("k", STR, struct.pack("<Q", 5) + b"abcd"), "metadata k at byte 45 (a string of 5 bytes runs past the end)"),
+    (entry_bytes("k", STR, struct.pack("<Q", 2) + b"\xff\xfe"), "cannot read metadata k at byte 45"),
+    (HEADER + struct.pack("<QQ", 0, 1) + string(b"\xc3") + struct.pack("<I", U8) + b"\0", "cannot read a metadata key at byte 32"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", U32, 3) + b"\0" * 11), "metadata k at byte 49 (an array of 3 values runs past the end)"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", U64, 2**61) + b"\0" * 16), "an array of 2305843009213693952 values runs past the end"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", STR, 2) + string("a") + b"\0" * 6), "metadata k at byte 49 (an array of 2 values runs past the end)"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", BOOL, 3) + b"\1\0"), "metadata k at byte 49 (an array of 3 values runs past the end)"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", ARR, 2) + struct.pack("<IQ", U8, 0) + b"\0" * 11), "metadata k at byte 49 (an array of 2 values runs past the end)"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", 13, 1) + b"\0" * 8), "unknown value type 13"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", U8, 1) + b"\0"),
+     "metadata k at byte 73 (arrays nested deeper than 2)"),
+])
+def test_a_damaged_metadata_value_is_named_with_its_key_and_byte(tmp_path, data, where):
+    refused(write_bytes(tmp_path / "k.gguf", data), where, reader=ours.GGUFFile)
+
+
+def test_arrays_whose_smallest_items_fill_the_file_exactly_read(tmp_path):
+    """The bounds check before an array counts 8 bytes at least per string, 1 per bool and 12 per
+    array: arrays whose items take exactly the bytes left read."""
+    for key, value, expected in [("s", (STR, ["", ""]), ["", ""]), ("b", (BOOL, [True, False]), [True, False]),
+                                 ("a", (ARR, [(U8, []), (U8, [])]), [[], []])]:
+        file = ours.GGUFFile(write_bytes(tmp_path / f"{key}.gguf", gguf_bytes([(key, ARR, value)])))
+        assert file.fields == {key: expected}
+
+
+# --- alignment and the tensor table ------------------------------------------------------------------------
+
+
+def small_tensors():
+    """Three F32 tensors of odd byte lengths (12, 20, 8), so each is padded to the alignment."""
+    return [("a", T_F32, (3,), f32([1, 2, 3])), ("b", T_F32, (5,), f32([4, 5, 6, 7, 8])),
+            ("c", T_F32, (2,), f32([-1, 0.5]))]
+
+
+@pytest.mark.parametrize("alignment", [8, 16, 64, 2**16])
+def test_general_alignment_places_the_tensor_data(tmp_path, alignment):
+    data = gguf_bytes([("general.alignment", U32, alignment)], small_tensors(), alignment=alignment)
+    file = ours.GGUFFile(write_bytes(tmp_path / "a.gguf", data))
+    assert [file.tensor(n).tolist() for n in "abc"] == [[1, 2, 3], [4, 5, 6, 7, 8], [-1, 0.5]]
+    theirs = gguf.GGUFReader(str(tmp_path / "a.gguf"))
+    assert [t.data_offset for t in theirs.tensors] == [file.tensors[n][2] for n in "abc"]
+    assert [file.tensors[n][2] % alignment for n in "abc"] == [0, 0, 0]
+
+
+def test_the_default_alignment_is_32(tmp_path):
+    file = ours.GGUFFile(write_bytes(tmp_path / "a.gguf", gguf_bytes([], small_tensors())))
+    # the table ends at byte 24 + 3 * 33 = 123: the data starts at 128; 12 and 20 bytes padded to 32
+    assert [file.tensors[n][2] for n in "abc"] == [128, 160, 192]
+    assert file.tensor("c").tolist() == [-1, 0.5]
+
+
+@pytest.mark.parametrize("kind, alignment", [(U32, 0), (U32, 4), (U32, 12), (U32, 2**16 + 8), (U32, 2**17),
+                                             (I32, -32), (STR, "32"), (BOOL, True), (F32, 32.0)])
+def test_a_bad_alignment_is_refused_naming_it(tmp_path, kind, alignment):
+    data = gguf_bytes([("general.alignment", kind, alignment)], small_tensors())
+    refused(write_bytes(tmp_path / "a.gguf", data), f"general.alignment is {alignment!r}",
+            "must be a multiple of 8 up to 65536", reader=ours.GGUFFile)
+
+
+def test_a_tensor_offset_off_the_alignment_is_refused(tmp_path):
+    data = gguf_bytes([], small_tensors(), offsets=[0, 32, 72])
+    refused(write_bytes(tmp_path / "o.gguf", data), "tensor c (F32, [2]) needs bytes", reader=ours.GGUFFile)
+    # the same offsets are whole under an alignment of 8
+    data = gguf_bytes([("general.alignment", U32, 8)], small_tensors(), offsets=[0, 32, 72], alignment=8)
+    assert ours.GGUFFile(write_bytes(tmp_path / "p.gguf", data)).tensor("c").tolist() == [-1, 0.5]
+
+
+@pytest.mark.parametrize("n_dims", [1, 2, 3, 4])
+def test_tensors_of_one_to_four_dimensions_read_in_numpy_order(tmp_path, n_dims):
+    ne = (2, 3, 1, 2)[:n_dims]
+    values = np.arange(np.prod(ne), dtype=np.float32).reshape(tuple(reversed(ne)))
+    file = ours.GGUFFile(write_bytes(tmp_path / "d.gguf", gguf_bytes([], [("t", T_F32, ne, f32(values))])))
+    table_end = 24 + 8 + 1 + 4 + 8 * n_dims + 4 + 8
+    assert file.tensors["t"] == ("F32", ne, -(-table_end // 32) * 32, 4 * values.size)
+    assert torch.equal(file.tensor("t"), torch.from_numpy(values))
+
+
+@pytest.mark.parametrize("n_dims", [0, 5])
+def test_a_tensor_of_zero_or_five_dimensions_is_refused(tmp_path, n_dims):
+    head = HEADER + struct.pack("<QQ", 1, 0) + string("t") + struct.pack("<I", n_dims)
+    data = head + struct.pack(f"<{n_dims}Q", *[1] * n_dims) + struct.pack("<IQ", T_F32, 0) + b"\0" * 64
+    refused(write_bytes(tmp_path / "d.gguf", data), "cannot read tensor t's header at byte 37",
+            f"n_dims is {n_dims}, must be 1 to 4", reader=ours.GGUFFile)
+
+
+def test_a_tensor_header_cut_short_is_named(tmp_path):
+    data = HEADER + struct.pack("<QQ", 1, 0) + string("tt") + struct.pack("<I", 2) + struct.pack("<QQ", 4, 4) + b"\0" * 5
+    refused(write_bytes(tmp_path / "d.gguf", data), "cannot read tensor tt's header at byte 58", reader=ours.GGUFFile)
+    data = HEADER + struct.pack("<QQ", 1, 0) + struct.pack("<Q", 2) + b"\xff\xfe" + b"\0" * 30
+    refused(write_bytes(tmp_path / "n.gguf", data), "cannot read a tensor name at byte 32", reader=ours.GGUFFile)
+
+
+@pytest.mark.parametrize("type_id, ne, words", [
+    (4, (32,), "tensor t has unknown GGML type id 4"),  # Q4_2, removed from ggml
+    (31, (32,), "tensor t has unknown GGML type id 31"),
+    (T_F32, (0,), "tensor t (F32) has shape [0]: each size must be 1 to 1099511627776"),
+    (T_F32, (2, 0), "tensor t (F32) has shape [2, 0]"),
+    (T_F32, (2**40 + 1,), "has shape [1099511627777]"),
+    (T_Q8_0, (48, 2), "tensor t (Q8_0) has shape [48, 2]: each size must be 1 to 1099511627776, the first a multiple of Q8_0's block of 32"),
+    (T_Q2_K, (128,), "the first a multiple of Q2_K's block of 256"),
+])
+def test_a_bad_tensor_type_or_shape_is_refused_naming_the_tensor(tmp_path, type_id, ne, words):
+    data = gguf_bytes([], [("t", type_id, ne, b"\0" * 4096)])
+    refused(write_bytes(tmp_path / "t.gguf", data), words, reader=ours.GGUFFile)
+
+
+# (GGML type id, ne, bytes it takes): ggml's block sizes (ggml.c's type_traits: blck_size, type_size)
+SIZES = [(0, (8, 2), 64), (1, (8, 2), 32), (30, (8, 2), 32), (2, (64, 2), 72), (3, (64, 1), 40), (6, (32, 3), 66),
+         (7, (32, 1), 24), (8, (64, 1), 68), (9, (32, 1), 36), (10, (256, 1), 84), (11, (256, 1), 110),
+         (12, (256, 2), 288), (13, (256, 1), 176), (14, (256, 1), 210), (15, (256, 1), 292)]
+
+
+@pytest.mark.parametrize("type_id, ne, size", SIZES)
+def test_each_ggml_type_takes_its_block_bytes_and_no_more(tmp_path, type_id, ne, size):
+    whole = gguf_bytes([], [("t", type_id, ne, bytes(range(256)) * 2)])[: 96 + size]  # the table: 65 bytes
+    file = ours.GGUFFile(write_bytes(tmp_path / "t.gguf", whole))
+    assert file.tensors["t"][1:] == (ne, 96, size)
+    refused(write_bytes(tmp_path / "cut.gguf", whole[:-1]), f"tensor t ({file.tensors['t'][0]}, {list(ne)}) needs "
+            f"bytes 96..{96 + size} (aligned to 32), the file has {96 + size - 1}", reader=ours.GGUFFile)
