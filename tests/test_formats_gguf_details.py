@@ -357,3 +357,101 @@ def test_each_ggml_type_takes_its_block_bytes_and_no_more(tmp_path, type_id, ne,
     assert file.tensors["t"][1:] == (ne, 96, size)
     refused(write_bytes(tmp_path / "cut.gguf", whole[:-1]), f"tensor t ({file.tensors['t'][0]}, {list(ne)}) needs "
             f"bytes 96..{96 + size} (aligned to 32), the file has {96 + size - 1}", reader=ours.GGUFFile)
+
+
+# --- the config from gpt2.* metadata ------------------------------------------------------------------------
+
+EMBD = ("token_embd.weight", T_F32, (8, 11), f32(np.zeros((11, 8))))  # n_embd 8, vocab 11
+GOOD = {"general.architecture": (STR, "gpt2"), "gpt2.block_count": (U32, 3), "gpt2.context_length": (U32, 20),
+        "gpt2.embedding_length": (U32, 8), "gpt2.attention.head_count": (U32, 2)}
+
+
+def config_of(tmp_path: Path, tensors=(EMBD,), **changes):
+    fields = dict(GOOD)
+    for key, value in changes.items():
+        key = key.replace("__", ".")
+        if value is None:
+            fields.pop(key)
+        else:
+            fields[key] = value
+    path = write_bytes(tmp_path / "c.gguf", gguf_bytes([(k, t, v) for k, (t, v) in fields.items()], list(tensors)))
+    return path, (lambda p: ours.read_config(ours.GGUFFile(p)))
+
+
+def test_the_config_takes_each_key_and_llama_cpps_defaults(tmp_path):
+    c = ours.read_config(ours.GGUFFile(config_of(tmp_path)[0]))
+    assert (c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head) == (11, 20, 8, 3, 2)
+    assert c.n_inner is None and c.inner_dim == 32  # no feed_forward_length: 4 * n_embd
+    assert c.layer_norm_epsilon == 1e-5 and c.bos_token_id == 50256 and c.eos_token_id == 50256
+    assert c.activation_function == "gelu_new"
+    path, read = config_of(tmp_path, **{"gpt2.feed_forward_length": (U32, 32), "tokenizer.ggml.bos_token_id": (U32, 1),
+                                        "tokenizer.ggml.eos_token_id": (U64, 0),
+                                        "gpt2.attention.layer_norm_epsilon": (F32, 1e-6)})
+    c = read(path)
+    assert c.n_inner is None and c.inner_dim == 32  # 4 * n_embd written out is still the default
+    assert (c.bos_token_id, c.eos_token_id, c.layer_norm_epsilon) == (1, 0, 1e-6)
+    for ff in (31, 33, 1):
+        path, read = config_of(tmp_path, **{"gpt2.feed_forward_length": (I32, ff)})
+        assert read(path).n_inner == ff
+    path, read = config_of(tmp_path, **{"gpt2.attention.layer_norm_epsilon": (U8, 2)})
+    assert read(path).layer_norm_epsilon == 2.0 and type(read(path).layer_norm_epsilon) is float
+    path, read = config_of(tmp_path, **{"gpt2.attention.layer_norm_epsilon": (F64, 0.1)})
+    assert read(path).layer_norm_epsilon == 0.1  # float32 in llama.cpp: its shortest decimal
+
+
+@pytest.mark.parametrize("key, limit", [("gpt2.context_length", "n_positions"), ("gpt2.embedding_length", "n_embd"),
+                                        ("gpt2.block_count", "n_layer"), ("gpt2.attention.head_count", "n_head"),
+                                        ("gpt2.feed_forward_length", "n_inner")])
+def test_each_size_is_an_integer_from_1_to_its_limit(tmp_path, key, limit):
+    from gpt2attn.config import LIMITS
+    high = LIMITS[limit]
+    words = f"from 1 to {high} (gpt2attn's limit for {limit}; see docs/hostile-files.md)"
+    for kind, value in [(U32, 0), (I32, -1), (U64, high + 1), (F32, 2.0), (BOOL, True), (STR, "8")]:
+        path, read = config_of(tmp_path, **{key: (kind, value)})
+        refused(path, f"GGUF metadata {key} is {value!r}: must be an integer {words}", reader=read)
+    if key != "gpt2.feed_forward_length":
+        path, read = config_of(tmp_path, **{key: None})
+        refused(path, f"GGUF metadata has no {key}", reader=read)
+    if limit in ("n_positions", "n_layer", "n_inner"):  # the limit itself is allowed
+        path, read = config_of(tmp_path, **{key: (U64, high)})
+        assert getattr(read(path), limit) == high
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
+def test_a_token_id_is_an_integer_from_0(tmp_path, key):
+    for kind, value in [(I32, -1), (F32, 1.0), (BOOL, False), (STR, "0")]:
+        path, read = config_of(tmp_path, **{key: (kind, value)})
+        message = refused(path, f"GGUF metadata {key} is {value!r}: must be an integer from 0 to {2**63 - 1}",
+                          reader=read)
+        assert "limit" not in message
+    path, read = config_of(tmp_path, **{key: (U64, 2**63)})
+    refused(path, f"{key} is {2**63}: must be", reader=read)
+    path, read = config_of(tmp_path, **{key: (U64, 2**63 - 1)})
+    assert getattr(read(path), key.split(".")[-1]) == 2**63 - 1
+
+
+def test_layer_norm_epsilon_is_a_positive_finite_number(tmp_path):
+    key = "gpt2.attention.layer_norm_epsilon"
+    for kind, value in [(F32, 0.0), (F32, -1e-5), (F32, float("inf")), (F64, float("-inf")), (BOOL, True),
+                        (STR, "1e-5"), (ARR, (F32, [1e-5]))]:
+        path, read = config_of(tmp_path, **{key: (kind, value)})
+        refused(path, f"GGUF metadata {key} is", "must be a positive finite number", reader=read)
+    path, read = config_of(tmp_path, **{key: (F64, float("nan"))})
+    refused(path, f"{key} is nan: must be a positive finite number", reader=read)
+
+
+def test_the_architecture_and_token_embd_are_required(tmp_path):
+    path, read = config_of(tmp_path, **{"general.architecture": None})
+    refused(path, "GGUF metadata has no general.architecture", reader=read)
+    path, read = config_of(tmp_path, **{"general.architecture": (STR, "gpt2 ")})
+    refused(path, "general.architecture is 'gpt2 '; gpt2attn reads GPT-2 ('gpt2') GGUF files", reader=read)
+    path, read = config_of(tmp_path, tensors=())
+    refused(path, "GGUF has no token_embd.weight tensor", reader=read)
+    for ne in [(88,), (8, 11, 1)]:
+        path, read = config_of(tmp_path, tensors=[("token_embd.weight", T_F32, ne, f32(np.zeros(88)))])
+        refused(path, f"tensor token_embd.weight has shape {list(ne)}, not (n_embd, vocab)", reader=read)
+
+
+def test_a_config_gpt2config_refuses_is_named_as_the_metadatas(tmp_path):
+    path, read = config_of(tmp_path, **{"gpt2.attention.head_count": (U32, 3)})  # 8 is not divisible by 3
+    refused(path, "the config its gpt2.* metadata gives: n_embd (8) must be divisible by n_head (3)", reader=read)
