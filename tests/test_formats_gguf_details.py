@@ -455,3 +455,111 @@ def test_the_architecture_and_token_embd_are_required(tmp_path):
 def test_a_config_gpt2config_refuses_is_named_as_the_metadatas(tmp_path):
     path, read = config_of(tmp_path, **{"gpt2.attention.head_count": (U32, 3)})  # 8 is not divisible by 3
     refused(path, "the config its gpt2.* metadata gives: n_embd (8) must be divisible by n_head (3)", reader=read)
+
+
+# --- the tensors a model is read from -------------------------------------------------------------------
+
+
+def test_a_model_file_built_byte_by_byte_loads_with_its_head_tied(tmp_path):
+    model = model_of(n_inner=40, layer_norm_epsilon=1e-6)
+    back = GPT2LMHeadModel.from_pretrained(model_file(tmp_path / "m.gguf", model))
+    assert_same_weights(back, model)
+    assert back.config.tie_word_embeddings is True and back.lm_head.weight is back.transformer.wte.weight
+    assert (back.config.n_inner, back.config.layer_norm_epsilon) == (40, 1e-6)
+    config, state, tokenizer = ours.read(tmp_path / "m.gguf")
+    assert "lm_head.weight" not in state and tokenizer is None and config.tie_word_embeddings is True
+    assert state["transformer.h.1.mlp.c_fc.weight"].shape == (32, 40)  # Conv1D's (in, out)
+
+
+def replaced(model, name: str, new):
+    return [new if t[0] == name else t for t in model_tensors(model)]
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_k.weight", "blk.0.attn_norm.scale", "blk.x.attn_norm.weight",
+                                  "blk.0.attn_norm.weight.", "output.bias", "blk.0.attn_norm", "blk.1234567890.ffn_up.bias"])
+def test_a_tensor_gpt2_has_not_is_named(tmp_path, name):
+    model = model_of()
+    tensors = model_tensors(model) + [(name, T_F32, (4,), f32([0, 1, 2, 3]))]
+    refused(model_file(tmp_path / "m.gguf", model, tensors=tensors), f"tensor {name} is not one of GPT-2's")
+
+
+@pytest.mark.parametrize("name, ne, rank", [
+    ("output_norm.weight", (32, 1), 1), ("blk.0.attn_norm.weight", (32, 1), 1), ("blk.1.ffn_norm.bias", (16, 2), 1),
+    ("blk.0.attn_qkv.bias", (96, 1), 1), ("blk.0.attn_qkv.weight", (3072,), 2), ("position_embd.weight", (1024,), 2),
+    ("blk.1.ffn_down.weight", (128, 32, 1), 2), ("output.weight", (32, 97, 1), 2),
+])
+def test_a_tensor_of_the_wrong_rank_is_named(tmp_path, name, ne, rank):
+    model = model_of()
+    data = f32(np.zeros(int(np.prod(ne))))
+    tensors = replaced(model, name, (name, T_F32, ne, data))
+    refused(model_file(tmp_path / "m.gguf", model, tensors=tensors),
+                      f"tensor {name} has {len(ne)} dimensions ({list(ne)}), GPT-2's has {rank}")
+
+
+def test_leading_zeros_in_a_block_number_name_the_same_block(tmp_path):
+    model = model_of()
+    tensors = [(t[0].replace("blk.1.", "blk.01."),) + t[1:] for t in model_tensors(model)]
+    assert any(t[0].startswith("blk.01.") for t in tensors)
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(model_file(tmp_path / "m.gguf", model, tensors=tensors)), model)
+
+
+def test_output_weight_is_tied_only_when_type_shape_and_bytes_equal_token_embd(tmp_path):
+    model = model_of(n_embd=16, n_head=2)
+    wte = model.transformer.wte.weight.detach().numpy()
+    as_f16 = np.ascontiguousarray(wte, dtype="<f2").tobytes()
+    base = [t for t in model_tensors(model) if t[0] not in ("token_embd.weight", "output.weight")]
+    embd = ("token_embd.weight", T_F16, (16, 97), as_f16)
+    # the same bytes read as BF16: another head
+    path = model_file(tmp_path / "bf.gguf", model, tensors=base + [embd, ("output.weight", T_BF16, (16, 97), as_f16)])
+    back = GPT2LMHeadModel.from_pretrained(path)
+    assert back.config.tie_word_embeddings is False
+    as_bf16 = torch.frombuffer(bytearray(as_f16), dtype=torch.bfloat16).float().view(97, 16)
+    assert torch.equal(back.lm_head.weight, as_bf16)
+    assert torch.equal(back.transformer.wte.weight, torch.from_numpy(wte).half().float())
+    # the same bytes and type, the shape transposed: not the embedding (refused by its shape)
+    path = model_file(tmp_path / "t.gguf", model, tensors=base + [embd, ("output.weight", T_F16, (97, 16), as_f16)])
+    refused(path, "lm_head.weight")
+    # the same type and shape, one value changed: another head
+    other = bytearray(as_f16)
+    other[-2:] = np.float16(7.0).tobytes()
+    path = model_file(tmp_path / "o.gguf", model, tensors=base + [embd, ("output.weight", T_F16, (16, 97), bytes(other))])
+    back = GPT2LMHeadModel.from_pretrained(path)
+    assert back.config.tie_word_embeddings is False and back.lm_head.weight[-1, -1] == 7.0
+    assert torch.equal(back.lm_head.weight[:-1], back.transformer.wte.weight[:-1])
+    # written twice, alike: one tied head
+    path = model_file(tmp_path / "s.gguf", model, tensors=base + [embd, ("output.weight", T_F16, (16, 97), as_f16)])
+    back = GPT2LMHeadModel.from_pretrained(path)
+    assert back.config.tie_word_embeddings is True and back.lm_head.weight is back.transformer.wte.weight
+
+
+def test_f16_and_bf16_tensors_are_widened_exactly(tmp_path):
+    values = np.array([[1.5, -2.0, 65504.0], [2**-24, 0.0, -0.099975586]], dtype=np.float32)
+    halves = np.ascontiguousarray(values, dtype="<f2").tobytes()
+    bf = torch.from_numpy(values).to(torch.bfloat16)
+    bf_bytes = bf.view(torch.int16).numpy().astype("<i2").tobytes()
+    data = gguf_bytes([], [("h", T_F16, (3, 2), halves), ("b", T_BF16, (3, 2), bf_bytes), ("f", T_F32, (3, 2), f32(values))])
+    file = ours.GGUFFile(write_bytes(tmp_path / "w.gguf", data))
+    for name, expected in [("h", values.astype(np.float16).astype(np.float32)), ("b", bf.float().numpy()), ("f", values)]:
+        got = file.tensor(name)
+        assert got.dtype == torch.float32 and got.shape == (2, 3)
+        assert np.array_equal(got.numpy(), expected), name
+
+
+def test_a_type_the_reader_does_not_read_is_named_with_those_it_does(tmp_path):
+    data = gguf_bytes([], [("q", 15, (256,), b"\0" * 292)])  # Q8_K: in the table, not read
+    file = ours.GGUFFile(write_bytes(tmp_path / "k.gguf", data))
+    with pytest.raises(ValueError) as error:
+        file.tensor("q")
+    assert str(error.value) == (f"{tmp_path / 'k.gguf'}: tensor q has GGML type Q8_K, which gpt2attn does not read "
+                                "(it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)")
+
+
+def test_a_quantized_tensor_of_several_rows_dequantizes_row_by_row(tmp_path):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    q = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    data = gguf_bytes([], [("q", T_Q8_0, (64, 2, 3), q.tobytes())])
+    got = ours.GGUFFile(write_bytes(tmp_path / "q.gguf", data)).tensor("q")
+    expected = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+    assert got.shape == (3, 2, 64) and np.array_equal(got.numpy(), expected)
+    assert np.abs(got.numpy() - values).max() < 0.05
