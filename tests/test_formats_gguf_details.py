@@ -563,3 +563,76 @@ def test_a_quantized_tensor_of_several_rows_dequantizes_row_by_row(tmp_path):
     expected = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
     assert got.shape == (3, 2, 64) and np.array_equal(got.numpy(), expected)
     assert np.abs(got.numpy() - values).max() < 0.05
+
+
+# --- the embedded tokenizer ---------------------------------------------------------------------------------
+
+TOKENS = ["a", "b", "ab", "<|endoftext|>", "Ġ", "Ġab"]  # byte-level BPE: Ġ is the space
+
+
+def tokenizer_file(tmp_path: Path, **changes) -> Path:
+    fields = {"tokenizer.ggml.model": (STR, "gpt2"), "tokenizer.ggml.tokens": (ARR, (STR, TOKENS)),
+              "tokenizer.ggml.token_type": (ARR, (I32, [1, 1, 1, 3, 1, 1])),
+              "tokenizer.ggml.merges": (ARR, (STR, ["a b", "Ġ ab"]))}
+    for key, value in changes.items():
+        key = "tokenizer.ggml." + key
+        if value is None:
+            fields.pop(key)
+        else:
+            fields[key] = value
+    return write_bytes(tmp_path / "t.gguf", gguf_bytes([(k, t, v) for k, (t, v) in fields.items()]))
+
+
+def test_the_embedded_tokenizer_merges_and_keeps_control_tokens_whole(tmp_path):
+    tok = ours.tokenizer_of(str(tokenizer_file(tmp_path)))  # a str path is taken too
+    assert tok.encode("ab ab<|endoftext|>").ids == [2, 5, 3]
+    assert tok.decode([2, 5, 3], skip_special_tokens=True) == "ab ab"
+    assert tok.decode([2, 5, 3], skip_special_tokens=False) == "ab ab<|endoftext|>"
+    # without merges each byte is a token; the model key may be absent (GPT-2's is the default)
+    tok = ours.tokenizer_of(tokenizer_file(tmp_path, merges=None, model=None))
+    assert tok.encode("ab").ids == [0, 1]
+
+
+def test_without_token_types_no_token_is_a_control_token(tmp_path):
+    tok = ours.tokenizer_of(tokenizer_file(tmp_path, token_type=None))
+    assert tok.decode([2, 3], skip_special_tokens=True) == "ab<|endoftext|>"  # not special: kept
+    tok = ours.tokenizer_of(tokenizer_file(tmp_path, token_type=(ARR, (U8, [1, 1, 1, 4, 1, 1]))))  # USER_DEFINED
+    assert tok.decode([2, 3], skip_special_tokens=True) == "ab<|endoftext|>"
+
+
+def test_a_file_without_tokens_has_no_tokenizer(tmp_path):
+    assert ours.tokenizer_of(tokenizer_file(tmp_path, tokens=None)) is None
+    assert ours.read_tokenizer(ours.GGUFFile(tokenizer_file(tmp_path, tokens=None, model=(STR, "llama")))) is None
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(model=(STR, "llama")), "tokenizer.ggml.model is 'llama'; gpt2attn reads GPT-2's BPE ('gpt2')"),
+    (dict(tokens=(ARR, (I32, [1, 2]))), "tokenizer.ggml.tokens must be an array of strings, found [1, 2]"),
+    (dict(tokens=(STR, "ab")), "tokenizer.ggml.tokens must be an array of strings, found 'ab'"),
+    (dict(merges=(ARR, (U8, [7]))),
+     "tokenizer.ggml.merges must be an array of strings, found [7]"),
+    (dict(merges=(ARR, (STR, ["a b", "Ġab", "x y"]))), "tokenizer.ggml.merges[1] is 'Ġab', not two tokens separated by a space"),
+    (dict(token_type=(ARR, (I32, [1, 1, 1, 3, 1]))), "tokenizer.ggml.token_type must be an array of 6 integers, one per token, found [1, 1, 1, 3, 1]"),
+    (dict(token_type=(ARR, (F32, [1, 1, 1, 3, 1, 1]))), "tokenizer.ggml.token_type must be an array of 6 integers"),
+    (dict(token_type=(ARR, (BOOL, [True] * 6))), "tokenizer.ggml.token_type must be an array of 6 integers"),
+    (dict(token_type=(U32, 1)), "tokenizer.ggml.token_type must be an array of 6 integers, one per token, found 1"),
+])
+def test_a_bad_tokenizer_key_is_named(tmp_path, change, words):
+    refused(tokenizer_file(tmp_path, **change), words, reader=ours.tokenizer_of)
+
+
+def test_the_tokenizer_size_limit(tmp_path, monkeypatch):
+    """tokenizer.ggml.tokens holds at most LIMITS['vocab_size'] tokens (checked here with a limit of 6)."""
+    from gpt2attn.config import LIMITS
+    monkeypatch.setitem(LIMITS, "vocab_size", 6)
+    assert ours.tokenizer_of(tokenizer_file(tmp_path)).get_vocab_size() == 6
+    monkeypatch.setitem(LIMITS, "vocab_size", 5)
+    refused(tokenizer_file(tmp_path), "tokenizer.ggml.tokens has 6 tokens, above gpt2attn's limit of 5",
+            reader=ours.tokenizer_of)
+
+
+def test_a_model_file_gives_its_tokenizer_with_the_model(tmp_path):
+    model = model_of(vocab_size=6)
+    extra = [("tokenizer.ggml.tokens", ARR, (STR, TOKENS)), ("tokenizer.ggml.merges", ARR, (STR, ["a b", "Ġ ab"]))]
+    config, state, tok = ours.read(model_file(tmp_path / "m.gguf", model, extra=extra))
+    assert config.vocab_size == 6 and tok.encode("ab ab").ids == [2, 5]
