@@ -636,3 +636,150 @@ def test_a_model_file_gives_its_tokenizer_with_the_model(tmp_path):
     extra = [("tokenizer.ggml.tokens", ARR, (STR, TOKENS)), ("tokenizer.ggml.merges", ARR, (STR, ["a b", "Ġ ab"]))]
     config, state, tok = ours.read(model_file(tmp_path / "m.gguf", model, extra=extra))
     assert config.vocab_size == 6 and tok.encode("ab ab").ids == [2, 5]
+
+
+# --- what the writer writes, read back by gguf-py -----------------------------------------------------------
+
+
+def their_fields(path: Path) -> dict:
+    reader = gguf.GGUFReader(str(path))
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def their_tensors(path: Path) -> list:
+    return [(t.name, t.tensor_type.name) for t in gguf.GGUFReader(str(path)).tensors]
+
+
+def small_bpe(special: bool = True, eos: bool = True):
+    """A byte-level BPE built with tokenizers itself: ids 0..5, <|endoftext|> (or <|x|>) at id 6."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {"a": 0, "b": 1, "ab": 2, "Ġ": 3, "Ġab": 4, "c": 5}
+    tok = Tokenizer(models.BPE(vocab, [("a", "b"), ("Ġ", "ab")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    name = "<|endoftext|>" if eos else "<|x|>"
+    (tok.add_special_tokens if special else tok.add_tokens)([AddedToken(name, special=special)])
+    return tok
+
+
+def test_the_written_metadata_is_the_converters(tmp_path):
+    model = model_of(n_inner=40, layer_norm_epsilon=1e-6, n_positions=24)
+    save(model, tmp_path / "My Model.gguf", dtype="float32")
+    fields = their_fields(tmp_path / "My Model.gguf")
+    assert fields == {
+        "general.architecture": "gpt2", "general.type": "model", "general.name": "My Model",
+        "gpt2.block_count": 2, "gpt2.context_length": 24, "gpt2.embedding_length": 32,
+        "gpt2.feed_forward_length": 40, "gpt2.attention.head_count": 4,
+        "gpt2.attention.layer_norm_epsilon": pytest.approx(1e-6, rel=1e-7), "general.file_type": 0,
+        "general.quantization_version": 2,
+    }
+
+
+@pytest.mark.parametrize("dtype, kind, file_type", [(None, "F16", 1), ("f16", "F16", 1), ("FLOAT16", "F16", 1),
+                                                    ("float32", "F32", 0), ("F32", "F32", 0), ("BF16", "BF16", 32),
+                                                    ("Q8_0", "Q8_0", 7)])
+def test_each_dtype_name_writes_its_type(tmp_path, dtype, kind, file_type):
+    save(model_of(), tmp_path / "m.gguf", dtype=dtype)
+    tensors = dict(their_tensors(tmp_path / "m.gguf"))
+    assert tensors["blk.0.attn_qkv.weight"] == kind and tensors["token_embd.weight"] == kind
+    assert tensors["blk.0.attn_qkv.bias"] == "F32" and tensors["position_embd.weight"] == "F32"
+    assert their_fields(tmp_path / "m.gguf")["general.file_type"] == file_type
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "float64", "fp16", torch.float16])
+def test_another_dtype_is_refused_naming_the_file_and_the_choices(tmp_path, dtype):
+    with pytest.raises(ValueError) as error:
+        ours.write(tmp_path / "m.gguf", model_of().state_dict(), model_of().config, dtype=dtype)
+    assert str(error.value) == f"{tmp_path / 'm.gguf'}: GGUF is written as f32, f16, bf16, q8_0, not {dtype}"
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("change", [dict(activation_function="gelu"), dict(activation_function="relu"),
+                                    dict(add_cross_attention=True), dict(scale_attn_weights=False),
+                                    dict(scale_attn_by_inverse_layer_idx=True)])
+def test_a_model_llama_cpp_computes_otherwise_is_refused(tmp_path, change):
+    model = GPT2LMHeadModel(tiny_config(**change))
+    with pytest.raises(ValueError) as error:
+        ours.write(tmp_path / "m.gguf", model.state_dict(), model.config)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'm.gguf'}: llama.cpp's GPT-2 is GELU (tanh)")
+    assert "activation_function, cross-attention or attention scaling" in message
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_gelu_pytorch_tanh_is_written_as_llama_cpps_gelu(tmp_path):
+    model = model_of(activation_function="gelu_pytorch_tanh")
+    save(model, tmp_path / "m.gguf", dtype="f32")
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(tmp_path / "m.gguf"), model)
+
+
+def test_the_writer_takes_parameters_that_need_grad_any_float_dtype_and_prefixes(tmp_path):
+    model = model_of()
+    params = {"module." + k: v for k, v in model.named_parameters()}  # DDP's prefix, tensors needing grad
+    assert all(v.requires_grad for v in params.values())
+    ours.write(tmp_path / "m.gguf", params, model.config, dtype="f32")
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "m.gguf")
+    assert_same_weights(back, model)
+    assert back.config.tie_word_embeddings is True
+    half = {k: v.to(torch.bfloat16) for k, v in model.transformer.state_dict().items()}  # GPT2Model's keys, bf16
+    ours.write(tmp_path / "h.gguf", half, model.config, dtype="f32")
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "h.gguf")
+    for name, value in half.items():
+        assert torch.equal(back.transformer.state_dict()[name], value.float()), name
+    assert dict(their_tensors(tmp_path / "h.gguf"))["output.weight"] == "F32"
+
+
+def test_an_untied_head_is_written_as_output_weight(tmp_path):
+    model = model_of(tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-2)
+    save(model, tmp_path / "m.gguf", dtype="f32")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    output = next(t for t in reader.tensors if t.name == "output.weight")
+    assert np.array_equal(np.asarray(output.data), model.lm_head.weight.detach().numpy())
+    back = GPT2LMHeadModel.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.tie_word_embeddings is False and torch.equal(back.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_state_dict_missing_tensors_is_refused_naming_them_in_gguf_names(tmp_path):
+    model = model_of()
+    state = {k: v for k, v in model.state_dict().items()
+             if k not in ("transformer.wpe.weight", "transformer.h.1.ln_2.bias", "transformer.ln_f.weight")}
+    with pytest.raises(ValueError) as error:
+        ours.write(tmp_path / "m.gguf", state, model.config)
+    assert str(error.value) == (f"{tmp_path / 'm.gguf'}: cannot write GGUF: the state dict lacks position_embd.weight, "
+                                "blk.1.ffn_norm.bias, output_norm.weight")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_the_vocabulary_written_pads_unused_ids_as_the_converter_does(tmp_path):
+    """llama.cpp's converter (get_vocab_base): every id up to vocab_size, unused ones as [PAD{i}] of type
+    UNUSED (5), special added tokens CONTROL (3), the rest NORMAL (1); <|endoftext|> is bos, eos and unk."""
+    save(model_of(vocab_size=10), tmp_path / "m.gguf", dtype="f32", tokenizer=small_bpe())
+    fields = their_fields(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.tokens"] == ["a", "b", "ab", "Ġ", "Ġab", "c", "<|endoftext|>", "[PAD7]", "[PAD8]", "[PAD9]"]
+    assert fields["tokenizer.ggml.token_type"] == [1, 1, 1, 1, 1, 1, 3, 5, 5, 5]
+    assert fields["tokenizer.ggml.merges"] == ["a b", "Ġ ab"]
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert [fields[f"tokenizer.ggml.{k}_token_id"] for k in ("bos", "eos", "unknown")] == [6, 6, 6]
+    back = ours.tokenizer_of(tmp_path / "m.gguf")
+    assert back.encode("ab ab<|endoftext|>c").ids == [2, 4, 6, 5]
+
+
+def test_the_vocabulary_without_endoftext_has_no_bos_eos_unk(tmp_path):
+    save(model_of(vocab_size=7), tmp_path / "m.gguf", dtype="f32", tokenizer=small_bpe(special=False, eos=False))
+    fields = their_fields(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.tokens"][6] == "<|x|>" and fields["tokenizer.ggml.token_type"][6] == 1
+    assert not {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"} & set(fields)
+
+
+def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):
+    from gpt2attn.tokenizer import char_tokenizer
+    with pytest.raises(ValueError, match=r"the tokenizer has 7 tokens, the model's vocabulary 6"):
+        save(model_of(vocab_size=6), tmp_path / "m.gguf", tokenizer=small_bpe())
+    words = char_tokenizer("hello")
+    inner = words.tokenizer  # the tokenizers.Tokenizer it holds
+    assert ours.embeds(small_bpe()) and not ours.embeds(inner)
+    with pytest.raises(ValueError, match=r"this tokenizer is WordLevel \(write the model without it"):
+        save(model_of(), tmp_path / "m.gguf", tokenizer=inner)
+    assert not (tmp_path / "m.gguf").exists()
