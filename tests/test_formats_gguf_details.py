@@ -246,7 +246,9 @@ def entry_bytes(key: str, kind: int, rest: bytes) -> bytes:
     (entry_bytes("k", ARR, struct.pack("<IQ", STR, 2) + string("a") + b"\0" * 6), "metadata k at byte 49 (an array of 2 values runs past the end)"),
     (entry_bytes("k", ARR, struct.pack("<IQ", BOOL, 3) + b"\1\0"), "metadata k at byte 49 (an array of 3 values runs past the end)"),
     (entry_bytes("k", ARR, struct.pack("<IQ", ARR, 2) + struct.pack("<IQ", U8, 0) + b"\0" * 11), "metadata k at byte 49 (an array of 2 values runs past the end)"),
-    (entry_bytes("k", ARR, struct.pack("<IQ", 13, 1) + b"\0" * 8), "unknown value type 13"),
+    # items of an unknown type are counted 1 byte each before their type is looked at
+    (entry_bytes("k", ARR, struct.pack("<IQ", 13, 8) + b"\0" * 8), "metadata k at byte 49 (unknown value type 13)"),
+    (entry_bytes("k", ARR, struct.pack("<IQ", 13, 9) + b"\0" * 8), "metadata k at byte 49 (an array of 9 values runs past the end)"),
     (entry_bytes("k", ARR, struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", U8, 1) + b"\0"),
      "metadata k at byte 73 (arrays nested deeper than 2)"),
 ])
@@ -336,6 +338,7 @@ def test_a_tensor_header_cut_short_is_named(tmp_path):
     (T_F32, (0,), "tensor t (F32) has shape [0]: each size must be 1 to 1099511627776"),
     (T_F32, (2, 0), "tensor t (F32) has shape [2, 0]"),
     (T_F32, (2**40 + 1,), "has shape [1099511627777]"),
+    (T_F32, (2**40,), "tensor t (F32, [1099511627776]) needs bytes 64..4398046511168"),  # the largest size: too long here
     (T_Q8_0, (48, 2), "tensor t (Q8_0) has shape [48, 2]: each size must be 1 to 1099511627776, the first a multiple of Q8_0's block of 32"),
     (T_Q2_K, (128,), "the first a multiple of Q2_K's block of 256"),
 ])
@@ -783,3 +786,43 @@ def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"this tokenizer is WordLevel \(write the model without it"):
         save(model_of(), tmp_path / "m.gguf", tokenizer=inner)
     assert not (tmp_path / "m.gguf").exists()
+
+
+# --- the module's edges: detection, the optional gguf package, the tokenizer's own refusal ------------------
+
+
+def test_detect_reads_the_magic_of_files_only(tmp_path):
+    assert ours.detect(write_bytes(tmp_path / "a.gguf", b"GGUF")) is True
+    assert ours.detect(write_bytes(tmp_path / "b.bin", b"GGUF\3\0\0\0")) is True  # by magic, not suffix
+    assert ours.detect(write_bytes(tmp_path / "c.gguf", b"GGU")) is False
+    assert ours.detect(write_bytes(tmp_path / "d.gguf", b"GGML")) is False
+    (tmp_path / "folder.gguf").mkdir()
+    assert ours.detect(tmp_path / "folder.gguf") is False
+    assert ours.detect(tmp_path / "absent.gguf") is False
+
+
+def test_without_the_gguf_package_writing_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(ImportError) as error:
+        save(model_of(), tmp_path / "m.gguf", dtype="f32")
+    assert str(error.value) == "reading and writing GGUF files needs the gguf package: pip install 'gpt2attn[gguf]'"
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_merges_the_bpe_cannot_take_are_refused_naming_the_file(tmp_path):
+    path = tokenizer_file(tmp_path, merges=(ARR, (STR, ["a b", "x y"])))  # x and y are not tokens
+    refused(path, "not a readable BPE vocabulary and merges", reader=ours.tokenizer_of)
+
+
+def test_a_two_dimensional_norm_weight_is_written_f32_as_norms_are(tmp_path):
+    """The converter keeps norms in F32 whatever their shape: a (1, C) LayerNorm gain is not quantized."""
+    model = model_of()
+    state = dict(model.state_dict())
+    state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"][None]
+    state["transformer.h.0.ln_1.weight"] = state["transformer.h.0.ln_1.weight"][None]
+    ours.write(tmp_path / "m.gguf", state, model.config, dtype="f16")
+    tensors = dict(their_tensors(tmp_path / "m.gguf"))
+    assert tensors["output_norm.weight"] == "F32" and tensors["blk.0.attn_norm.weight"] == "F32"
+    assert tensors["blk.0.attn_qkv.weight"] == "F16"
