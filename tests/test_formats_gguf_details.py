@@ -12,6 +12,7 @@ alone."""
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -474,6 +475,17 @@ def test_a_model_file_built_byte_by_byte_loads_with_its_head_tied(tmp_path):
     assert state["transformer.h.1.mlp.c_fc.weight"].shape == (32, 40)  # Conv1D's (in, out)
 
 
+def test_a_tied_output_weight_anywhere_in_the_table_is_skipped_not_the_rest(tmp_path):
+    """The converter's files need not end with output.weight: here it comes first."""
+    model = model_of()
+    tensors = model_tensors(model)
+    tensors = [tensors[-1]] + tensors[:-1]
+    assert tensors[0][0] == "output.weight"
+    back = GPT2LMHeadModel.from_pretrained(model_file(tmp_path / "m.gguf", model, tensors=tensors))
+    assert_same_weights(back, model)
+    assert back.lm_head.weight is back.transformer.wte.weight
+
+
 def replaced(model, name: str, new):
     return [new if t[0] == name else t for t in model_tensors(model)]
 
@@ -594,6 +606,14 @@ def test_the_embedded_tokenizer_merges_and_keeps_control_tokens_whole(tmp_path):
     # without merges each byte is a token; the model key may be absent (GPT-2's is the default)
     tok = ours.tokenizer_of(tokenizer_file(tmp_path, merges=None, model=None))
     assert tok.encode("ab").ids == [0, 1]
+
+
+def test_a_merge_splits_at_its_first_space(tmp_path):
+    """A merge is "left right": the right part keeps any further space (a token may hold one)."""
+    path = tokenizer_file(tmp_path, tokens=(ARR, (STR, ["x", "y z", "xy z"])), token_type=None,
+                          merges=(ARR, (STR, ["x y z"])))
+    spec = json.loads(ours.tokenizer_of(path).to_str())
+    assert spec["model"]["merges"] == [["x", "y z"]] and spec["model"]["vocab"] == {"x": 0, "y z": 1, "xy z": 2}
 
 
 def test_without_token_types_no_token_is_a_control_token(tmp_path):
