@@ -222,6 +222,31 @@ def test_a_broken_header_is_named_with_the_byte(tmp_path, data, where):
     refused(path, where, reader=ours.GGUFFile)
 
 
+def test_counts_read_unsigned(tmp_path):
+    """Every count, size, type and offset in GGUF is unsigned: the largest ones are refused as too
+    large, not read as negative numbers."""
+    top = 2**64 - 1
+    for counts in [(top, 0), (0, top)]:
+        refused(write_bytes(tmp_path / "c.gguf", HEADER + struct.pack("<QQ", *counts) + b"\0" * 64),
+                f"{counts[0]} tensors and {counts[1]} metadata entries do not fit", reader=ours.GGUFFile)
+    cases = [
+        (entry_bytes("k", 2**32 - 1, b"\0" * 8), "unknown value type 4294967295"),
+        (entry_bytes("k", ARR, struct.pack("<IQ", 2**32 - 1, 1) + b"\0" * 8), "unknown value type 4294967295"),
+        (entry_bytes("k", ARR, struct.pack("<IQ", U8, top) + b"\0" * 8), f"an array of {top} values runs past the end"),
+        (entry_bytes("k", ARR, struct.pack("<IQ", STR, top) + b"\0" * 8), f"an array of {top} values runs past the end"),
+        (HEADER + struct.pack("<QQ", 1, 0) + string("t") + struct.pack("<I", 2**32 - 1) + b"\0" * 64,
+         "n_dims is 4294967295, must be 1 to 4"),
+    ]
+    for data, words in cases:
+        refused(write_bytes(tmp_path / "v.gguf", data), words, reader=ours.GGUFFile)
+    for tensor, words in [(("t", T_F32, (top,), b""), f"has shape [{top}]"),
+                          (("t", 2**32 - 1, (4,), b""), "tensor t has unknown GGML type id 4294967295")]:
+        refused(write_bytes(tmp_path / "t.gguf", gguf_bytes([], [tensor])), words, reader=ours.GGUFFile)
+    far = HEADER + struct.pack("<QQ", 1, 0) + string("t") + struct.pack("<IQIQ", 1, 2, T_F32, 2**64 - 32)
+    far += b"\0" * (-len(far) % 32) + f32([1, 2])
+    refused(write_bytes(tmp_path / "o.gguf", far), "tensor t (F32, [2]) needs bytes", reader=ours.GGUFFile)
+
+
 def test_the_fit_check_counts_28_bytes_per_tensor_and_13_per_entry(tmp_path):
     """Counts that fit the check exactly go on to the table, where the damage is then named."""
     one_tensor = HEADER + struct.pack("<QQ", 1, 0) + b"\xff" * 28  # a tensor name of 2**64-1 bytes
@@ -427,7 +452,7 @@ def test_a_token_id_is_an_integer_from_0(tmp_path, key):
         path, read = config_of(tmp_path, **{key: (kind, value)})
         message = refused(path, f"GGUF metadata {key} is {value!r}: must be an integer from 0 to {2**63 - 1}",
                           reader=read)
-        assert "limit" not in message
+        assert "limit" not in message and message.endswith(f"from 0 to {2**63 - 1}")
     path, read = config_of(tmp_path, **{key: (U64, 2**63)})
     refused(path, f"{key} is {2**63}: must be", reader=read)
     path, read = config_of(tmp_path, **{key: (U64, 2**63 - 1)})
@@ -614,6 +639,9 @@ def test_a_merge_splits_at_its_first_space(tmp_path):
                           merges=(ARR, (STR, ["x y z"])))
     spec = json.loads(ours.tokenizer_of(path).to_str())
     assert spec["model"]["merges"] == [["x", "y z"]] and spec["model"]["vocab"] == {"x": 0, "y z": 1, "xy z": 2}
+    path = tokenizer_file(tmp_path, tokens=(ARR, (STR, ["x", " y", "x y"])), token_type=None,
+                          merges=(ARR, (STR, ["x  y"])))  # split at the first of two spaces: "x" and " y"
+    assert json.loads(ours.tokenizer_of(path).to_str())["model"]["merges"] == [["x", " y"]]
 
 
 def test_without_token_types_no_token_is_a_control_token(tmp_path):
@@ -846,3 +874,21 @@ def test_a_two_dimensional_norm_weight_is_written_f32_as_norms_are(tmp_path):
     tensors = dict(their_tensors(tmp_path / "m.gguf"))
     assert tensors["output_norm.weight"] == "F32" and tensors["blk.0.attn_norm.weight"] == "F32"
     assert tensors["blk.0.attn_qkv.weight"] == "F16"
+
+
+def test_a_one_dimensional_weight_is_written_f32_as_every_1d_tensor(tmp_path):
+    """The converter's rule is by dimensions: a 1-D tensor stays F32, whatever its name."""
+    model = model_of()
+    state = dict(model.state_dict())
+    state["transformer.h.0.attn.c_attn.weight"] = state["transformer.h.0.attn.c_attn.weight"].flatten()
+    ours.write(tmp_path / "m.gguf", state, model.config, dtype="f16")
+    tensors = dict(their_tensors(tmp_path / "m.gguf"))
+    assert tensors["blk.0.attn_qkv.weight"] == "F32" and tensors["blk.1.attn_qkv.weight"] == "F16"
+
+
+def test_an_empty_bpe_vocabulary_is_written_as_unused_ids(tmp_path):
+    from tokenizers import Tokenizer, models
+    save(model_of(vocab_size=1), tmp_path / "m.gguf", dtype="f32", tokenizer=Tokenizer(models.BPE({}, [])))
+    fields = their_fields(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.tokens"] == ["[PAD0]"] and fields["tokenizer.ggml.token_type"] == [5]
+    assert "tokenizer.ggml.eos_token_id" not in fields
