@@ -585,6 +585,23 @@ def test_f16_and_bf16_tensors_are_widened_exactly(tmp_path):
         assert np.array_equal(got.numpy(), expected), name
 
 
+def test_f32_f16_and_bf16_read_without_the_gguf_package(tmp_path, monkeypatch):
+    """Only the quantized types need gguf's dequantizer; the float types are read by torch alone."""
+    import sys
+    values = np.array([[0.5, -1.25], [3.0, 0.0]], dtype=np.float32)
+    bf_bytes = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+    q8 = np.zeros(34, dtype=np.uint8).tobytes()
+    data = gguf_bytes([], [("f", T_F32, (2, 2), f32(values)), ("h", T_F16, (2, 2), values.astype("<f2").tobytes()),
+                           ("b", T_BF16, (2, 2), bf_bytes), ("q", T_Q8_0, (32,), q8)])
+    path = write_bytes(tmp_path / "w.gguf", data)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    file = ours.GGUFFile(path)
+    for name in "fhb":
+        assert np.array_equal(file.tensor(name).numpy(), values), name
+    with pytest.raises(ImportError, match="pip install 'gpt2attn\\[gguf\\]'"):
+        file.tensor("q")
+
+
 def test_a_type_the_reader_does_not_read_is_named_with_those_it_does(tmp_path):
     data = gguf_bytes([], [("q", 15, (256,), b"\0" * 292)])  # Q8_K: in the table, not read
     file = ours.GGUFFile(write_bytes(tmp_path / "k.gguf", data))
