@@ -83,8 +83,9 @@ BLOCKS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_o
           "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 
 
-def model_tensors(model: GPT2LMHeadModel, output: bool = True) -> list:
-    """The model's tensors in llama.cpp's names and layouts, F32: (name, type, ne, bytes)."""
+def model_tensors(model: GPT2LMHeadModel) -> list:
+    """The model's tensors in llama.cpp's names and layouts, F32: (name, type, ne, bytes), with
+    output.weight a copy of token_embd.weight (a tied head, as the converter writes it)."""
     out = []
     for key, value in model.state_dict().items():
         parts = key.split(".")
@@ -98,36 +99,21 @@ def model_tensors(model: GPT2LMHeadModel, output: bool = True) -> list:
         else:
             name = f"{LLAMA[parts[1]]}.{parts[2]}"
         out.append((name, T_F32, tuple(reversed(value.shape)), f32(value)))
-    if output:
-        wte = next(t for t in out if t[0] == "token_embd.weight")
-        out.append(("output.weight",) + wte[1:])
-    return out
+    wte = next(t for t in out if t[0] == "token_embd.weight")
+    return out + [("output.weight",) + wte[1:]]
 
 
-def config_fields(model: GPT2LMHeadModel, **changes) -> list:
-    """gpt2.* metadata of the model, as llama.cpp's converter writes it; changes replace (key suffix
-    -> (type, value)) or, with None, drop a key."""
+def config_fields(model: GPT2LMHeadModel) -> list:
+    """The model's config as the gpt2.* metadata llama.cpp's converter writes."""
     c = model.config
-    fields = {
-        "general.architecture": (STR, "gpt2"),
-        "gpt2.block_count": (U32, c.n_layer),
-        "gpt2.context_length": (U32, c.n_positions),
-        "gpt2.embedding_length": (U32, c.n_embd),
-        "gpt2.feed_forward_length": (U32, c.inner_dim),
-        "gpt2.attention.head_count": (U32, c.n_head),
-        "gpt2.attention.layer_norm_epsilon": (F32, c.layer_norm_epsilon),
-    }
-    for key, value in changes.items():
-        key = key.replace("__", ".")
-        if value is None:
-            fields.pop(key, None)
-        else:
-            fields[key] = value
-    return [(k, kind, v) for k, (kind, v) in fields.items()]
+    return [("general.architecture", STR, "gpt2"), ("gpt2.block_count", U32, c.n_layer),
+            ("gpt2.context_length", U32, c.n_positions), ("gpt2.embedding_length", U32, c.n_embd),
+            ("gpt2.feed_forward_length", U32, c.inner_dim), ("gpt2.attention.head_count", U32, c.n_head),
+            ("gpt2.attention.layer_norm_epsilon", F32, c.layer_norm_epsilon)]
 
 
-def model_file(path: Path, model: GPT2LMHeadModel, extra=(), tensors=None, **changes) -> Path:
-    return write_bytes(path, gguf_bytes(config_fields(model, **changes) + list(extra),
+def model_file(path: Path, model: GPT2LMHeadModel, extra=(), tensors=None) -> Path:
+    return write_bytes(path, gguf_bytes(config_fields(model) + list(extra),
                                         model_tensors(model) if tensors is None else tensors))
 
 
