@@ -382,9 +382,10 @@ GOOD = {"general.architecture": (STR, "gpt2"), "gpt2.block_count": (U32, 3), "gp
 
 
 def config_of(tmp_path: Path, tensors=(EMBD,), **changes):
+    """A file of GOOD's metadata with changes (key -> (type, value), or None to drop the key), and a
+    reader of its config."""
     fields = dict(GOOD)
     for key, value in changes.items():
-        key = key.replace("__", ".")
         if value is None:
             fields.pop(key)
         else:
