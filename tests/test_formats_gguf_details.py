@@ -835,8 +835,10 @@ def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):
     words = char_tokenizer("hello")
     inner = words.tokenizer  # the tokenizers.Tokenizer it holds
     assert ours.embeds(small_bpe()) and not ours.embeds(inner)
-    with pytest.raises(ValueError, match=r"this tokenizer is WordLevel \(write the model without it"):
+    with pytest.raises(ValueError) as error:
         save(model_of(), tmp_path / "m.gguf", tokenizer=inner)
+    assert str(error.value) == ("GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is WordLevel "
+                                "(write the model without it, or to an HF folder)")
     assert not (tmp_path / "m.gguf").exists()
 
 
@@ -896,3 +898,22 @@ def test_an_empty_bpe_vocabulary_is_written_as_unused_ids(tmp_path):
     fields = their_fields(tmp_path / "m.gguf")
     assert fields["tokenizer.ggml.tokens"] == ["[PAD0]"] and fields["tokenizer.ggml.token_type"] == [5]
     assert "tokenizer.ggml.eos_token_id" not in fields
+
+
+def test_merges_serialized_as_strings_are_written_as_they_are(tmp_path):
+    """Older tokenizers releases serialize a BPE's merges as "left right" strings, newer ones as
+    pairs: both are written as llama.cpp's "left right"."""
+    tok = small_bpe()
+
+    class OldSerialization:  # the same tokenizer, its JSON as older tokenizers releases wrote it
+        def to_str(self):
+            spec = json.loads(tok.to_str())
+            spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+            return json.dumps(spec)
+
+        def get_vocab(self, with_added_tokens=True):
+            return tok.get_vocab(with_added_tokens=with_added_tokens)
+
+    assert json.loads(OldSerialization().to_str())["model"]["merges"] == ["a b", "Ġ ab"]
+    save(model_of(vocab_size=7), tmp_path / "m.gguf", dtype="f32", tokenizer=OldSerialization())
+    assert their_fields(tmp_path / "m.gguf")["tokenizer.ggml.merges"] == ["a b", "Ġ ab"]
