@@ -462,7 +462,7 @@ def test_the_architecture_and_token_embd_are_required(tmp_path):
     path, read = config_of(tmp_path, **{"general.architecture": (STR, "gpt2 ")})
     refused(path, "general.architecture is 'gpt2 '; gpt2attn reads GPT-2 ('gpt2') GGUF files", reader=read)
     path, read = config_of(tmp_path, tensors=())
-    refused(path, "GGUF has no token_embd.weight tensor", reader=read)
+    assert refused(path, reader=read) == f"{path}: GGUF has no token_embd.weight tensor"
     for ne in [(88,), (8, 11, 1)]:
         path, read = config_of(tmp_path, tensors=[("token_embd.weight", T_F32, ne, f32(np.zeros(88)))])
         refused(path, f"tensor token_embd.weight has shape {list(ne)}, not (n_embd, vocab)", reader=read)
