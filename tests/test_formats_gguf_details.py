@@ -193,6 +193,7 @@ HEADER = b"GGUF" + struct.pack("<I", 3)
 @pytest.mark.parametrize("data, where", [
     (b"", "magic is b''"),
     (b"GGU", "magic is b'GGU'"),
+    (b"GGML" + struct.pack("<IQQ", 3, 0, 0), "not a GGUF file: magic is b'GGML', expected b'GGUF'"),
     (b"GGUF", "version None"),
     (b"GGUF\x03\x00\x00", "version None"),
     (HEADER + struct.pack("<Q", 0), "cannot read the header at byte 16"),
