@@ -699,3 +699,36 @@ def test_progress_bar_counts_steps_from_the_resumed_one_and_follows_the_terminal
     common = {"total": 7, "unit": "step", "dynamic_ncols": True}
     assert made == [{**common, "initial": 3, "disable": False}, {**common, "initial": 3, "disable": True},
                     {**common, "initial": 0, "disable": True}]
+
+
+def test_read_metrics_reads_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    """metrics.jsonl is UTF-8: a row with a non-ASCII note (as a user might add) reads back the same
+    where the locale's encoding is Latin-1 (simulated: io.text_encoding answers latin-1 for "no
+    encoding given", as it answers the locale's encoding there)."""
+    import io
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes('{"step": 1, "note": "r\u00e9sum\u00e9 \u2192 ok"}\n\n'.encode("utf-8"))
+    real = io.text_encoding
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, *a: "latin-1" if encoding is None else real(encoding, *a))
+    assert path.read_text() != path.read_bytes().decode("utf-8")  # the stand-in locale is in effect
+    assert read_metrics(path) == [{"step": 1, "note": "r\u00e9sum\u00e9 \u2192 ok"}]
+    assert read_metrics(tmp_path / "absent.jsonl") == []
+
+
+def test_loss_png_size_does_not_follow_the_users_dpi_setting(text_file, tmp_path):
+    """loss.png is 700 x 400 px even under a matplotlibrc with another figure and savefig dpi."""
+    import matplotlib
+    from PIL import Image
+
+    train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1"))
+    with matplotlib.rc_context({"figure.dpi": 50, "savefig.dpi": 50}):
+        loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    with Image.open(tmp_path / "loss.png") as image:
+        assert image.format == "PNG" and image.size == (700, 400)
+
+
+def test_no_training_text_says_how_to_give_it(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        train(load_config(None, [f"--out_dir={tmp_path}", *TINY, "--max_iters=1"]))
+    assert str(caught.value) == "no training text: set data = PATH in the config or pass --data=PATH"
