@@ -632,15 +632,18 @@ def test_one_rank_of_two_takes_its_half_of_each_batch_and_saves_full_state(text_
     """Rank r of 2 under FSDP, gradient_accumulation_steps 4: each update draws 4 x batch_size blocks
     from the seed's generator and rank r takes micro-batches 2r and 2r + 1, the first without gradient
     sync; at the checkpoint every rank gathers the full state (the model itself as the pattern) and
-    the dropout RNG states of both ranks; only rank 0 writes the data, metrics, checkpoint and model."""
+    the dropout RNG states of both ranks (each seeded with cfg.seed + rank); only rank 0 writes the
+    data, metrics, checkpoint and model."""
     if rank == 1:  # the data rank 0 prepares
         train(config(text_file, tmp_path, "--max_iters=1", "--eval_interval=1"))
         before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     fake = TwoProcesses(monkeypatch)
-    inputs, models = [], []
+    inputs, models, rng_states = [], [], []
 
     def note(module, args):
         if isinstance(module, GPT2LMHeadModel) and module.training:
+            if not inputs:  # nothing draws from the global RNG between its seeding and the first pass
+                rng_states.append(torch.get_rng_state())
             inputs.append(args[0].clone())
             models[:] = [module]
 
@@ -658,6 +661,8 @@ def test_one_rank_of_two_takes_its_half_of_each_batch_and_saves_full_state(text_
         chunks = data.offsets("train", 4 * cfg.batch_size, rng).split(cfg.batch_size)
         expected += [data.batch("train", chunks[2 * rank + i])[0] for i in range(2)]
     assert len(inputs) == 4 and all(torch.equal(a, b) for a, b in zip(inputs, expected))
+    # each rank its own dropout masks: its global RNG seeded with cfg.seed + rank
+    assert torch.equal(rng_states[0], torch.Generator().manual_seed(cfg.seed + rank).get_state())
     (model,) = models
     assert [c[1:] for c in fake.named("wrap")] == [(model, 2, torch.device("cpu"), True)]
     assert [c[1:] for c in fake.named("no_sync")] == [(model, True)] * 2
@@ -732,3 +737,11 @@ def test_no_training_text_says_how_to_give_it(tmp_path):
     with pytest.raises(ValueError) as caught:
         train(load_config(None, [f"--out_dir={tmp_path}", *TINY, "--max_iters=1"]))
     assert str(caught.value) == "no training text: set data = PATH in the config or pass --data=PATH"
+
+
+def test_a_new_run_starts_a_new_metrics_file_whatever_the_old_one_holds(text_file, tmp_path):
+    """Without --resume the old metrics.jsonl is replaced unread, even one that is not JSON lines."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text("not json\n{\"step\": 0, \"train_loss\": 1.0}\n")
+    train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
