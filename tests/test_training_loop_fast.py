@@ -745,3 +745,22 @@ def test_a_new_run_starts_a_new_metrics_file_whatever_the_old_one_holds(text_fil
     (tmp_path / "metrics.jsonl").write_text("not json\n{\"step\": 0, \"train_loss\": 1.0}\n")
     train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1"))
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_loss_png_draws_a_thin_train_line_over_a_faint_grid(tmp_path, monkeypatch):
+    """The per-step train curve is drawn 1 pt wide (it is noisy; the val points stand out over it)
+    and the grid at alpha 0.3, on both axes (read back from the figure, caught as it is closed)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or real_close(fig))
+    rows = [{"step": 1, "train_loss": 3.0}, {"step": 2, "train_loss": 2.5, "val_loss": 2.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    (ax,) = figures[0].axes
+    train_line, val_line = ax.lines
+    assert train_line.get_linewidth() == 1.0
+    assert list(val_line.get_ydata()) == [2.75]
+    grid = ax.xaxis.get_gridlines() + ax.yaxis.get_gridlines()
+    assert grid and all(line.get_visible() and line.get_alpha() == 0.3 for line in grid)
