@@ -396,3 +396,382 @@ def test_loss_png_plots_the_logged_losses(text_file, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl" / "loss.png")  # under a file
     assert len(figures) == 1
+
+
+# --- what the mutation tool found untested (issue 31) ----------------------------------------------
+
+
+def test_resume_refuses_text_with_another_vocabulary(text_file, tmp_path):
+    """A resumed run checks the text against its checkpoint's tokenizer.json: a text with a character
+    the checkpoint never saw is refused before anything is written, naming that tokenizer.json."""
+    train(config(text_file, tmp_path, "--max_iters=1", "--eval_interval=1"))
+    checkpoint = latest_checkpoint(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text() + "QZ!\n")
+    meta = (tmp_path / "data" / "meta.json").read_bytes()
+    with pytest.raises(ValueError, match="tokenizes to another vocabulary") as caught:
+        train(config(other, tmp_path, "--max_iters=2", "--eval_interval=1", "--resume"))
+    assert str(checkpoint / "tokenizer.json") in str(caught.value)
+    assert (tmp_path / "data" / "meta.json").read_bytes() == meta
+    assert latest_checkpoint(tmp_path) == checkpoint
+
+
+def test_batches_come_from_the_runs_own_generator_and_gradients_are_freed(text_file, tmp_path):
+    """With dropout drawing from torch's global RNG, every micro-batch is still the next one drawn from
+    a generator seeded with cfg.seed (accum x batch_size blocks per update, in order); and each update
+    starts with no gradient held (freed, not zeroed)."""
+    inputs, fresh = [], []
+
+    def note(module, args, kwargs):
+        if isinstance(module, GPT2LMHeadModel) and module.training:
+            inputs.append(args[0].clone())
+            fresh.append(all(p.grad is None for p in module.parameters()))
+
+    hooks = []
+    real_build = loop.build_model
+
+    def build(*a, **k):
+        model = real_build(*a, **k)
+        hooks.append(model.register_forward_pre_hook(note, with_kwargs=True))
+        return model
+
+    cfg = config(text_file, tmp_path, "--max_iters=3", "--eval_interval=3", "--dropout=0.2",
+                 "--gradient_accumulation_steps=2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "build_model", build)
+        train(cfg)
+    data = TokenData(tmp_path / "data", cfg.block_size)
+    rng = torch.Generator().manual_seed(cfg.seed)
+    expected = [data.batch("train", chunk)[0] for _ in range(3)
+                for chunk in data.offsets("train", 2 * cfg.batch_size, rng).split(cfg.batch_size)]
+    assert len(inputs) == len(expected) == 6
+    assert all(torch.equal(a, b) for a, b in zip(inputs, expected))
+    assert fresh == [True, False] * 3
+
+
+def test_wrap_compile_and_no_gradient_sync_on_one_process(text_file, tmp_path, monkeypatch):
+    """torch.compile (recorded by a stand-in that counts the forward passes) gets the model that
+    distributed.wrap returned, and every forward pass goes through what it returns; wrap gets the
+    run's fsdp flag; the micro-batches before the last of each update run under no_gradient_sync."""
+    calls = {"wrap": [], "compile": [], "forward": 0, "sync": []}
+    real_wrap = distributed.wrap
+
+    def wrap(model, info, device, fsdp):
+        calls["wrap"].append((model, info, device, fsdp))
+        return real_wrap(model, info, device, fsdp)
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args, **kwargs):
+            calls["forward"] += 1
+            return self.inner(*args, **kwargs)
+
+    def compile_(model):
+        calls["compile"].append(model)
+        return Compiled(model)
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def no_sync(wrapped, info, fsdp):
+        calls["sync"].append((wrapped, fsdp))
+        yield
+
+    monkeypatch.setattr(distributed, "wrap", wrap)
+    monkeypatch.setattr(distributed, "no_gradient_sync", no_sync)
+    monkeypatch.setattr(torch, "compile", compile_)
+    train(config(text_file, tmp_path / "plain", "--max_iters=1", "--eval_interval=1"))
+    assert calls["compile"] == [] and calls["forward"] == 0
+    assert [c[3] for c in calls["wrap"]] == [False]
+    calls["wrap"].clear()
+    calls["sync"].clear()
+    cfg = config(text_file, tmp_path / "compiled", "--max_iters=2", "--eval_interval=2", "--compile",
+                 "--fsdp", "--gradient_accumulation_steps=3")
+    train(cfg)
+    ((model, info, device, fsdp),) = calls["wrap"]
+    assert isinstance(model, GPT2LMHeadModel) and fsdp is True and device == torch.device("cpu")
+    assert info.world_size == 1 and info.rank == 0
+    assert calls["compile"] == [model]  # one process: wrap returns the model itself
+    assert calls["forward"] == 2 * 3 + 2 * cfg.eval_iters  # updates' micro-batches + one evaluation
+    assert calls["sync"] == [(model, True)] * (2 * 2)  # 2 of each update's 3 micro-batches
+
+
+def test_gradient_checkpointing_runs_without_the_cache_warning(text_file, tmp_path):
+    """The training forward asks for no cache, so a checkpointed model does not warn at every pass."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--gradient_checkpointing"))
+    assert [str(w.message) for w in caught if "cache" in str(w.message)] == []
+
+
+def test_grad_scaler_unscales_before_clipping(text_file, tmp_path, monkeypatch):
+    """The scaler (off on a CPU, for every dtype) unscales the optimizer's gradients before each
+    clip, and only when clipping; it steps and updates once per update."""
+    made, unscaled, stepped = [], [], []
+
+    class Scaler(torch.amp.GradScaler):
+        def __init__(self, device, enabled):
+            made.append((device, enabled))
+            super().__init__(device, enabled=enabled)
+
+        def unscale_(self, optimizer):
+            unscaled.append(optimizer)
+            return super().unscale_(optimizer)
+
+        def step(self, optimizer, *args, **kwargs):
+            stepped.append(optimizer)
+            return super().step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Scaler)
+    train(config(text_file, tmp_path / "clip", "--max_iters=2", "--eval_interval=2", "--grad_clip=0.5"))
+    assert made == [("cpu", False)]
+    assert len(stepped) == 2 and unscaled == stepped
+    made.clear(), unscaled.clear(), stepped.clear()
+    train(config(text_file, tmp_path / "noclip", "--max_iters=2", "--eval_interval=2", "--grad_clip=0",
+                 "--dtype=float16"))
+    assert made == [("cpu", False)] and unscaled == [] and len(stepped) == 2
+
+
+def test_progress_bar_shows_the_rows_lr_and_tokens_per_s(text_file, tmp_path, capsys, monkeypatch):
+    """The bar's postfix: the row's loss, its learning rate (lr_at of the update just taken) and its
+    tokens per second (a fake clock that advances 1 s per reading: 3 updates of 2 x 8 tokens in 1 s)."""
+    readings = []
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: readings.append(0) or float(len(readings))))
+    cfg = config(text_file, tmp_path, "--max_iters=3", "--eval_interval=3", "--log_interval=3", "--progress=true")
+    train(cfg)
+    err = capsys.readouterr().err
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert f"loss={row['train_loss']:.4f}" in err
+    assert f"lr={loop.lr_at(2, cfg):.2e}" in err
+    assert f"tok_s={3 * cfg.batch_size * cfg.block_size}" in err
+
+
+def test_no_matplotlib_warning_says_how_to_fix_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert loop._can_plot() is False
+    assert [str(w.message) for w in caught] == [
+        "matplotlib is not installed, so loss.png will not be drawn (pip install 'gpt2attn[plot]', or "
+        "--plot=false to silence this)"]
+
+
+def test_bfloat16_warning_points_at_the_caller(monkeypatch):
+    """The emulated-bf16 warning is attributed to the line that asked for the dtype: stacklevel 2,
+    the caller of autocast_dtype. Read from a stand-in for warnings.warn rather than from the
+    warning's file, since a wrapper around autocast_dtype (the mutation tool's trampoline) adds a
+    frame between the caller and the function."""
+    import inspect
+
+    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (False, "no bf16 here (patched)"))
+    seen = []
+
+    def warn(message, category=UserWarning, stacklevel=1):
+        caller = inspect.currentframe().f_back  # autocast_dtype itself: stacklevel 1
+        seen.append((message, stacklevel, caller.f_code.co_name))
+
+    monkeypatch.setattr(loop, "warnings", SimpleNamespace(warn=warn))
+    assert loop.autocast_dtype("bfloat16", torch.device("cpu"), say=False) == "bfloat16"
+    ((message, stacklevel, name),) = seen
+    assert "no bf16 here (patched)" in message and stacklevel == 2
+    assert "autocast_dtype" in name  # warned from autocast_dtype's own frame, so level 2 is its caller
+
+
+def test_auto_dtype_on_a_device_that_is_neither_cpu_nor_cuda(monkeypatch, capsys):
+    """Another device (here "meta") gets float32 under "auto", even where a CUDA GPU supports bf16."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert loop.autocast_dtype("auto", torch.device("meta"), say=True) == "float32"
+    assert capsys.readouterr().out == "dtype auto: float32 (meta device)\n"
+
+
+class TwoProcesses:
+    """Stand-ins for the collective calls, so that one process can play one rank of a 2-process run
+    (what torchrun would start): each collective behaves as if the other rank had sent the same
+    values, and every call is recorded."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.calls: list[tuple] = []
+        calls = self.calls
+
+        def wrap(model, info, device, fsdp):
+            calls.append(("wrap", model, info.world_size, device, fsdp))
+            return model
+
+        @contextlib.contextmanager
+        def no_sync(wrapped, info, fsdp):
+            calls.append(("no_sync", wrapped, fsdp))
+            yield
+
+        def gather_full_state(wrapped, optimizer, like):
+            calls.append(("gather", wrapped, optimizer, like))
+            full = type(like)(like.config)
+            full.load_state_dict(like.state_dict())
+            return full, optimizer.state_dict()
+
+        def load_sharded_optimizer(wrapped, optimizer, state):
+            calls.append(("load_sharded", wrapped, optimizer))
+            optimizer.load_state_dict(state)
+
+        def all_gather_object(out, obj):
+            calls.append(("all_gather_object", len(out)))
+            out[:] = [obj.clone() for _ in out]
+
+        def raise_together(error, info):
+            if error is not None:
+                raise error
+
+        monkeypatch.setattr(distributed, "wrap", wrap)
+        monkeypatch.setattr(distributed, "no_gradient_sync", no_sync)
+        monkeypatch.setattr(distributed, "gather_full_state", gather_full_state)
+        monkeypatch.setattr(distributed, "load_sharded_optimizer", load_sharded_optimizer)
+        monkeypatch.setattr(distributed, "raise_together", raise_together)
+        monkeypatch.setattr(distributed, "mean_over_processes", lambda value, info: value)
+        monkeypatch.setattr(distributed, "barrier", lambda info: calls.append(("barrier",)))
+        monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+
+    def named(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_of_two_takes_its_half_of_each_batch_and_saves_full_state(text_file, tmp_path, monkeypatch, rank):
+    """Rank r of 2 under FSDP, gradient_accumulation_steps 4: each update draws 4 x batch_size blocks
+    from the seed's generator and rank r takes micro-batches 2r and 2r + 1, the first without gradient
+    sync; at the checkpoint every rank gathers the full state (the model itself as the pattern) and
+    the dropout RNG states of both ranks (each seeded with cfg.seed + rank); only rank 0 writes the
+    data, metrics, checkpoint and model."""
+    if rank == 1:  # the data rank 0 prepares
+        train(config(text_file, tmp_path, "--max_iters=1", "--eval_interval=1"))
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    fake = TwoProcesses(monkeypatch)
+    inputs, models, rng_states = [], [], []
+
+    def note(module, args):
+        if isinstance(module, GPT2LMHeadModel) and module.training:
+            if not inputs:  # nothing draws from the global RNG between its seeding and the first pass
+                rng_states.append(torch.get_rng_state())
+            inputs.append(args[0].clone())
+            models[:] = [module]
+
+    cfg = config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1",
+                 "--gradient_accumulation_steps=4", "--fsdp", "--dropout=0.1")
+    handle = register_module_forward_pre_hook(note)
+    try:
+        result = loop._train(cfg, distributed.Dist(rank=rank, world_size=2), torch.device("cpu"))
+    finally:
+        handle.remove()
+    data = TokenData(tmp_path / "data", cfg.block_size)
+    rng = torch.Generator().manual_seed(cfg.seed)
+    expected = []
+    for _ in range(2):
+        chunks = data.offsets("train", 4 * cfg.batch_size, rng).split(cfg.batch_size)
+        expected += [data.batch("train", chunks[2 * rank + i])[0] for i in range(2)]
+    assert len(inputs) == 4 and all(torch.equal(a, b) for a, b in zip(inputs, expected))
+    # each rank its own dropout masks: its global RNG seeded with cfg.seed + rank
+    assert torch.equal(rng_states[0], torch.Generator().manual_seed(cfg.seed + rank).get_state())
+    (model,) = models
+    assert [c[1:] for c in fake.named("wrap")] == [(model, 2, torch.device("cpu"), True)]
+    assert [c[1:] for c in fake.named("no_sync")] == [(model, True)] * 2
+    ((_, wrapped, optimizer, like),) = fake.named("gather")
+    assert wrapped is model and like is model and isinstance(optimizer, torch.optim.Optimizer)
+    assert fake.named("all_gather_object") == [("all_gather_object", 2)]
+    assert result["step"] == 2
+    if rank == 1:
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+        return
+    state = loop.read_training_state(latest_checkpoint(tmp_path))
+    assert len(state["torch_rng"]) == 2 and torch.equal(state["torch_rng"][0], state["torch_rng"][1])
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(loop.lr_at(2, cfg), rel=1e-12)
+    saved = load_file(tmp_path / "model" / "model.safetensors")
+    assert torch.equal(saved["transformer.wte.weight"], model.transformer.wte.weight.detach())
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    # resumed under FSDP, each rank loads its shard of the saved optimizer state
+    fake.calls.clear()
+    cfg = config(text_file, tmp_path, "--max_iters=3", "--eval_interval=3", "--log_interval=1",
+                 "--gradient_accumulation_steps=4", "--fsdp", "--dropout=0.1", "--resume")
+    assert loop._train(cfg, distributed.Dist(rank=0, world_size=2), torch.device("cpu"))["step"] == 3
+    ((_, wrapped, optimizer),) = fake.named("load_sharded")
+    assert isinstance(wrapped, GPT2LMHeadModel) and optimizer is fake.named("gather")[0][2]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_progress_bar_counts_steps_from_the_resumed_one_and_follows_the_terminal_width(text_file, tmp_path,
+                                                                                      monkeypatch):
+    """The bar (a tqdm, recorded here) runs from the starting step to max_iters in steps, is drawn only
+    by the main process of a run that asks for it, and resizes with the terminal."""
+    import tqdm
+
+    made = []
+    monkeypatch.setattr(tqdm, "tqdm", lambda **kwargs: made.append(kwargs))
+    shown = config(text_file, tmp_path, "--max_iters=7", "--progress=true")
+    loop._progress_bar(shown, 3, True)
+    loop._progress_bar(shown, 3, False)
+    loop._progress_bar(config(text_file, tmp_path, "--max_iters=7", "--progress=false"), 0, True)
+    common = {"total": 7, "unit": "step", "dynamic_ncols": True}
+    assert made == [{**common, "initial": 3, "disable": False}, {**common, "initial": 3, "disable": True},
+                    {**common, "initial": 0, "disable": True}]
+
+
+def test_read_metrics_reads_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    """metrics.jsonl is UTF-8: a row with a non-ASCII note (as a user might add) reads back the same
+    where the locale's encoding is Latin-1 (simulated: io.text_encoding answers latin-1 for "no
+    encoding given", as it answers the locale's encoding there)."""
+    import io
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes('{"step": 1, "note": "r\u00e9sum\u00e9 \u2192 ok"}\n\n'.encode("utf-8"))
+    real = io.text_encoding
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, *a: "latin-1" if encoding is None else real(encoding, *a))
+    assert path.read_text() != path.read_bytes().decode("utf-8")  # the stand-in locale is in effect
+    assert read_metrics(path) == [{"step": 1, "note": "r\u00e9sum\u00e9 \u2192 ok"}]
+    assert read_metrics(tmp_path / "absent.jsonl") == []
+
+
+def test_loss_png_size_does_not_follow_the_users_dpi_setting(text_file, tmp_path):
+    """loss.png is 700 x 400 px even under a matplotlibrc with another figure and savefig dpi."""
+    import matplotlib
+    from PIL import Image
+
+    train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1"))
+    with matplotlib.rc_context({"figure.dpi": 50, "savefig.dpi": 50}):
+        loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    with Image.open(tmp_path / "loss.png") as image:
+        assert image.format == "PNG" and image.size == (700, 400)
+
+
+def test_no_training_text_says_how_to_give_it(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        train(load_config(None, [f"--out_dir={tmp_path}", *TINY, "--max_iters=1"]))
+    assert str(caught.value) == "no training text: set data = PATH in the config or pass --data=PATH"
+
+
+def test_a_new_run_starts_a_new_metrics_file_whatever_the_old_one_holds(text_file, tmp_path):
+    """Without --resume the old metrics.jsonl is replaced unread, even one that is not JSON lines."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text("not json\n{\"step\": 0, \"train_loss\": 1.0}\n")
+    train(config(text_file, tmp_path, "--max_iters=2", "--eval_interval=2", "--log_interval=1"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_loss_png_draws_a_thin_train_line_over_a_faint_grid(tmp_path, monkeypatch):
+    """The per-step train curve is drawn 1 pt wide (it is noisy; the val points stand out over it)
+    and the grid at alpha 0.3, on both axes (read back from the figure, caught as it is closed)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or real_close(fig))
+    rows = [{"step": 1, "train_loss": 3.0}, {"step": 2, "train_loss": 2.5, "val_loss": 2.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loop.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    (ax,) = figures[0].axes
+    train_line, val_line = ax.lines
+    assert train_line.get_linewidth() == 1.0
+    assert list(val_line.get_ydata()) == [2.75]
+    grid = ax.xaxis.get_gridlines() + ax.yaxis.get_gridlines()
+    assert grid and all(line.get_visible() and line.get_alpha() == 0.3 for line in grid)
