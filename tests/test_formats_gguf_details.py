@@ -825,20 +825,34 @@ def test_the_vocabulary_written_pads_unused_ids_as_the_converter_does(tmp_path):
 def test_the_vocabulary_without_endoftext_has_no_bos_eos_unk(tmp_path):
     save(model_of(vocab_size=7), tmp_path / "m.gguf", dtype="f32", tokenizer=small_bpe(special=False, eos=False))
     fields = their_fields(tmp_path / "m.gguf")
-    assert fields["tokenizer.ggml.tokens"][6] == "<|x|>" and fields["tokenizer.ggml.token_type"][6] == 1
+    # an added token that is not marked special but reads <|...|> is a control token, as llama.cpp's
+    # converter writes it (convert_hf_to_gguf.py, does_token_look_special)
+    assert fields["tokenizer.ggml.tokens"][6] == "<|x|>" and fields["tokenizer.ggml.token_type"][6] == 3
     assert not {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"} & set(fields)
+
+
+def test_added_tokens_are_user_defined_or_control_as_the_converter_writes_them(tmp_path):
+    from tokenizers import AddedToken
+    tok = small_bpe()  # <|endoftext|> special at id 6
+    tok.add_tokens([AddedToken("hello world", special=False)])  # id 7: user-defined
+    tok.add_tokens([AddedToken("<mine>", special=True)])  # id 8: special, so control
+    save(model_of(vocab_size=10), tmp_path / "m.gguf", dtype="f32", tokenizer=tok)
+    fields = their_fields(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.tokens"] == ["a", "b", "ab", "Ġ", "Ġab", "c", "<|endoftext|>", "hello world",
+                                               "<mine>", "[PAD9]"]
+    assert fields["tokenizer.ggml.token_type"] == [1, 1, 1, 1, 1, 1, 3, 4, 3, 5]
 
 
 def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):
     from gpt2attn.tokenizer import char_tokenizer
-    with pytest.raises(ValueError, match=r"the tokenizer has 7 tokens, the model's vocabulary 6"):
+    with pytest.raises(ValueError, match=r"m\.gguf: the tokenizer has 7 tokens, the model's vocabulary 6"):
         save(model_of(vocab_size=6), tmp_path / "m.gguf", tokenizer=small_bpe())
     words = char_tokenizer("hello")
     inner = words.tokenizer  # the tokenizers.Tokenizer it holds
     assert ours.embeds(small_bpe()) and not ours.embeds(inner)
     with pytest.raises(ValueError) as error:
         save(model_of(), tmp_path / "m.gguf", tokenizer=inner)
-    assert str(error.value) == ("GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is WordLevel "
+    assert str(error.value) == (f"{tmp_path / 'm.gguf'}: GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is WordLevel "
                                 "(write the model without it, or to an HF folder)")
     assert not (tmp_path / "m.gguf").exists()
 

@@ -376,7 +376,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
             stored = gguf.quants.quantize(array, kind_here)
         tensors.append((name, stored, kind_here))
 
-    vocabulary = gguf_vocabulary(tokenizer, config) if tokenizer is not None else None
+    vocabulary = gguf_vocabulary(path, tokenizer, config) if tokenizer is not None else None
 
     def write_file(f) -> None:
         from gguf.gguf_writer import WriterState
@@ -418,20 +418,28 @@ def embeds(tokenizer) -> bool:
     return json.loads(tokenizer.to_str())["model"]["type"] == "BPE"
 
 
-def gguf_vocabulary(tokenizer, config: GPT2Config) -> tuple[list[str], list[int], list[str], int | None]:
+def gguf_vocabulary(path: Path, tokenizer, config: GPT2Config) -> tuple[list[str], list[int], list[str], int | None]:
     """GPT-2's byte-level BPE as llama.cpp's converter embeds it: every id's token (unused ids as
-    [PADi]), its type (1 normal, 3 control, 5 unused), the merges, and <|endoftext|>'s id."""
+    [PADi]) and its type, the merges, and <|endoftext|>'s id. Types: 1 normal (the BPE's own
+    tokens), 3 control (added tokens marked special or written <|...|>), 4 user-defined (other
+    added tokens), 5 unused."""
     spec = json.loads(tokenizer.to_str())
     if spec["model"]["type"] != "BPE":
-        raise ValueError("GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is "
+        raise ValueError(f"{path}: GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is "
                          f"{spec['model']['type']} (write the model without it, or to an HF folder)")
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     if max(vocab.values(), default=-1) >= config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(vocab)} tokens, the model's vocabulary {config.vocab_size}")
+        raise ValueError(f"{path}: the tokenizer has {len(vocab)} tokens, the model's vocabulary {config.vocab_size}")
     tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
     types = [5] * config.vocab_size
-    special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["content"]: t.get("special", False) for t in spec.get("added_tokens", [])}
     for token, i in vocab.items():
-        tokens[i], types[i] = token, 3 if token in special else 1
+        if token not in added:
+            kind = 1
+        elif added[token] or (token.startswith("<|") and token.endswith("|>")):
+            kind = 3
+        else:
+            kind = 4
+        tokens[i], types[i] = token, kind
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     return tokens, types, merges, vocab.get(EOS_TOKEN)
