@@ -26,6 +26,7 @@ Needs the `dev` extra: pip install -e ".[test,dev]".  The per-file table goes to
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import random
@@ -177,7 +178,8 @@ def tally(workdir: Path, files: list[str], sample: set[str] | None) -> dict[str,
 
 
 def chosen_mutants(items: list[str]) -> list[str]:
-    """Mutant names from `--only`: names as given, or the survivors listed in a summary.json."""
+    """Mutant names or patterns from `--only`: as given (`*` matches any text), or the survivors
+    listed in a summary.json."""
     names = []
     for item in items:
         if item.endswith(".json"):
@@ -202,8 +204,8 @@ def main() -> None:
     ap.add_argument("--sample", type=int, help="run only this many mutants, drawn at random (seeded)")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     ap.add_argument("--only", nargs="+", metavar="NAME_OR_SUMMARY",
-                    help="run only these mutants: mutmut names, or an earlier run's summary.json "
-                         "(its survivors), e.g. to check that new tests kill them")
+                    help="run only these mutants: mutmut names or patterns ('*x_write__mutmut_*'), or an "
+                         "earlier run's summary.json (its survivors), e.g. to check that new tests kill them")
     ap.add_argument("--pytest-args", default="",
                     help='extra pytest arguments for every run, e.g. "-m \'not slow\'"')
     ap.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one; kept)")
@@ -234,14 +236,19 @@ def main() -> None:
         env.setdefault("GPT2ATTN_SHARED_DATA", str(shared))
     command = [mutmut, "run", "--max-children", str(args.jobs)]
     with open(workdir / "mutmut.log", "w") as log:
-        if args.only:
-            command += chosen_mutants(args.only)
-        elif args.sample:
-            # Make the mutants and the test map without running any, then run a seeded sample.
+        if args.sample or args.only:
+            # Make the mutants and the test map without running any, then run the chosen ones.
             subprocess.run([*command, "no-such-mutant*"], cwd=workdir, env=env, stdout=log,
                            stderr=subprocess.STDOUT)
             names = sorted(n for f in files for n in mutant_names(workdir, f))
-            command += random.Random(args.seed).sample(names, min(args.sample, len(names)))
+            if args.only:
+                patterns = chosen_mutants(args.only)
+                chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+                if not chosen:  # mutmut would run every mutant
+                    sys.exit(f"--only: no mutant of {', '.join(files)} matches {' '.join(patterns)}")
+                command += chosen
+            else:
+                command += random.Random(args.seed).sample(names, min(args.sample, len(names)))
         run = subprocess.run(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     table = tally(workdir, files, set(command[4:]) if args.sample or args.only else None)
     with open(workdir / "survivors.txt", "w") as out:
