@@ -144,3 +144,17 @@ def test_a_vocabulary_of_one_token_pads_to_128_rows(tmp_path):
     back = GPT2LMHeadModel.from_pretrained(path)
     assert back.config.vocab_size == 1
     assert torch.equal(back.transformer.wte.weight, model.transformer.wte.weight)
+
+
+def test_a_wrong_shape_outside_the_linears_is_named_as_stored(tmp_path):
+    """Only the linear weights are reported in Conv1D's (in, out) orientation; wpe (n_positions,
+    n_embd) is reported as it is stored, not transposed."""
+    model = model_of(n_positions=16)
+    state = dict(model.state_dict())
+    state["transformer.wpe.weight"] = torch.zeros(15, 32)
+    with pytest.raises(ValueError) as err:
+        llmc.write(tmp_path / "m.bin", state, model.config)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'm.bin'}: cannot write an llm.c file: ")
+    assert message.endswith("transformer.wpe.weight has shape (15, 32), the config asks for (16, 32)")
+    assert not (tmp_path / "m.bin").exists()
