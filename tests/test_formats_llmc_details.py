@@ -158,3 +158,12 @@ def test_a_wrong_shape_outside_the_linears_is_named_as_stored(tmp_path):
     assert message.startswith(f"{tmp_path / 'm.bin'}: cannot write an llm.c file: ")
     assert message.endswith("transformer.wpe.weight has shape (15, 32), the config asks for (16, 32)")
     assert not (tmp_path / "m.bin").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a state dict on the GPU")
+def test_a_model_on_the_gpu_is_written_as_on_the_cpu(tmp_path):
+    """The writer copies each tensor to the CPU itself: a CUDA model's file is the CPU model's, byte for byte."""
+    model = model_of()
+    save(model, tmp_path / "cpu.bin", dtype="fp32")
+    save(model.to("cuda"), tmp_path / "gpu.bin", dtype="fp32")
+    assert (tmp_path / "gpu.bin").read_bytes() == (tmp_path / "cpu.bin").read_bytes()
