@@ -100,6 +100,16 @@ def test_a_file_of_an_unknown_suffix_lists_the_suffixes_gpt2attn_reads(tmp_path)
     assert "it reads .bin, .ckpt, .gguf, .pt, .pth, .safetensors files and model folders" in message
 
 
+def test_a_file_without_a_suffix_is_not_said_to_have_one(tmp_path):
+    """A suffixless file is not an HF file "despite its suffix": HF folders have no suffix, files do."""
+    path = tmp_path / "model"
+    path.write_text("hello world")
+    with pytest.raises(CheckpointError) as err:
+        detect_format(path)
+    assert str(err.value) == (f"{path}: not a model file gpt2attn reads (no suffix; it reads .bin, .ckpt, .gguf, "
+                              ".pt, .pth, .safetensors files and model folders)")
+
+
 # --- format_for_suffix and save: which module writes a destination --------------------------------
 
 

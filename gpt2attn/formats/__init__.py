@@ -45,14 +45,15 @@ def detect_format(path: str | os.PathLike):
     if path.is_dir():
         raise FileNotFoundError(f"{path}: no model found (expected config.json and HF weights, or OpenAI's "
                                 f"hparams.json and {openai_tf.TF_INDEX})")
-    owner = next((fmt for fmt in FORMATS if path.suffix in fmt.SUFFIXES), None)
+    owner = next((fmt for fmt in FORMATS if path.suffix and path.suffix in fmt.SUFFIXES), None)
     if owner is not None:
         with open(path, "rb") as f:
             start = f.read(8)
         raise CheckpointError(path, f"not a {owner.NAME} file, despite its suffix: it starts with {start!r} "
                                     f"(damaged or truncated?)")
     readable = sorted({*hf.FILE_SUFFIXES, *(s for fmt in FORMATS for s in fmt.SUFFIXES if s)})
-    raise CheckpointError(path, f"not a model file gpt2attn reads (suffix {path.suffix!r}; it reads "
+    suffix = f"suffix {path.suffix!r}" if path.suffix else "no suffix"
+    raise CheckpointError(path, f"not a model file gpt2attn reads ({suffix}; it reads "
                                 f"{', '.join(readable)} files and model folders)")
 
 
