@@ -160,6 +160,20 @@ def test_a_wrong_shape_outside_the_linears_is_named_as_stored(tmp_path):
     assert not (tmp_path / "m.bin").exists()
 
 
+@pytest.mark.parametrize("shape", [(100, 31), (99, 32), (128, 32)])
+def test_a_wrong_wte_is_named_with_the_unpadded_shape_the_caller_must_give(tmp_path, shape):
+    """wte is padded to a multiple of 128 rows in the file, but the state dict holds vocab_size rows:
+    the error names that shape (not the padded one), whatever the width, before anything is written."""
+    model = model_of(vocab_size=100)
+    state = dict(model.state_dict())
+    state["transformer.wte.weight"] = state["lm_head.weight"] = torch.zeros(shape)
+    with pytest.raises(ValueError) as err:
+        llmc.write(tmp_path / "m.bin", state, model.config)
+    assert str(err.value) == (f"{tmp_path / 'm.bin'}: cannot write an llm.c file: transformer.wte.weight has shape "
+                              f"{shape}, the config asks for (100, 32)")
+    assert not (tmp_path / "m.bin").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: a state dict on the GPU")
 def test_a_model_on_the_gpu_is_written_as_on_the_cpu(tmp_path):
     """The writer copies each tensor to the CPU itself: a CUDA model's file is the CPU model's, byte for byte."""

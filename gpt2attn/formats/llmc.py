@@ -159,14 +159,15 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     check_writable(path, state, config)
     tensors = []
     for name, shape in layout(**sizes):
+        # the shape the state dict must hold: Conv1D's (in, out) for llm.c's (out, in), wte unpadded
+        expected = (V, C) if name == "transformer.wte.weight" else shape[::-1] if name.endswith(LINEARS) else shape
+        if tuple(state[name].shape) != expected:
+            raise ValueError(f"{path}: cannot write an llm.c file: {name} has shape {tuple(state[name].shape)}, "
+                             f"the config asks for {expected}")
         tensor = state[name].detach().to("cpu", stored)
         tensor = tensor.t() if name.endswith(LINEARS) else tensor
         if name == "transformer.wte.weight":
             tensor = torch.cat([tensor, tensor.new_zeros(sizes["Vp"] - V, C)])  # (Vp, C)
-        if tuple(tensor.shape) != shape:
-            expected = shape[::-1] if name.endswith(LINEARS) else shape
-            raise ValueError(f"{path}: cannot write an llm.c file: {name} has shape {tuple(state[name].shape)}, "
-                             f"the config asks for {expected}")
         tensors.append(tensor.contiguous())
     header = torch.zeros(HEADER_INTS, dtype=torch.int32)
     header[0], header[1] = MAGIC, VERSION_OF[stored]
