@@ -836,11 +836,12 @@ def test_added_tokens_are_user_defined_or_control_as_the_converter_writes_them(t
     tok = small_bpe()  # <|endoftext|> special at id 6
     tok.add_tokens([AddedToken("hello world", special=False)])  # id 7: user-defined
     tok.add_tokens([AddedToken("<mine>", special=True)])  # id 8: special, so control
-    save(model_of(vocab_size=10), tmp_path / "m.gguf", dtype="f32", tokenizer=tok)
+    tok.add_tokens([AddedToken("<|half", special=False), AddedToken("half|>", special=False)])  # 9, 10: user-defined
+    save(model_of(vocab_size=12), tmp_path / "m.gguf", dtype="f32", tokenizer=tok)
     fields = their_fields(tmp_path / "m.gguf")
     assert fields["tokenizer.ggml.tokens"] == ["a", "b", "ab", "Ġ", "Ġab", "c", "<|endoftext|>", "hello world",
-                                               "<mine>", "[PAD9]"]
-    assert fields["tokenizer.ggml.token_type"] == [1, 1, 1, 1, 1, 1, 3, 4, 3, 5]
+                                               "<mine>", "<|half", "half|>", "[PAD11]"]
+    assert fields["tokenizer.ggml.token_type"] == [1, 1, 1, 1, 1, 1, 3, 4, 3, 4, 4, 5]
 
 
 def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):

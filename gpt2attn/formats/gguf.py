@@ -432,7 +432,7 @@ def gguf_vocabulary(path: Path, tokenizer, config: GPT2Config) -> tuple[list[str
         raise ValueError(f"{path}: the tokenizer has {len(vocab)} tokens, the model's vocabulary {config.vocab_size}")
     tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
     types = [5] * config.vocab_size
-    added = {t["content"]: t.get("special", False) for t in spec.get("added_tokens", [])}
+    added = {t["content"]: t["special"] for t in spec["added_tokens"]}  # tokenizers always writes both keys
     for token, i in vocab.items():
         if token not in added:
             kind = 1
