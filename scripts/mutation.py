@@ -220,6 +220,10 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     populate(workdir, args.rev)
     tests = args.tests or tests_for(files, workdir)
+    absent = [t for t in tests if not (workdir / t).is_file()]
+    if absent:  # e.g. a test file named with --tests that the --rev commit does not have yet
+        print(f"  left out (not in {args.rev or 'the working tree'}): {' '.join(absent)}", flush=True)
+        tests = [t for t in tests if t not in absent]
     if not tests:
         sys.exit(f"no test file found for {files}; name them with --tests")
     print(f"mutating {len(files)} file(s) with {len(tests)} test file(s) in {workdir}", flush=True)
