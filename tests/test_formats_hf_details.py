@@ -382,6 +382,15 @@ def test_save_takes_a_dtype_name_as_the_other_writers_do(tmp_path, name, expecte
     assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == str(expected).removeprefix("torch.")
 
 
+@pytest.mark.parametrize("recorded, expected", [("float16", torch.float16), (None, torch.float32)])
+def test_write_with_dtype_auto_uses_the_dtype_the_config_records(tmp_path, recorded, expected):
+    """'auto' is the config's torch_dtype (as from_pretrained reads it); without one, as stored."""
+    model = lm()
+    config = tiny_config(**({"torch_dtype": recorded} if recorded else {}))
+    hf.write(tmp_path / "m", model.state_dict(), config, dtype="auto")
+    assert load_file(tmp_path / "m" / "model.safetensors")["transformer.wte.weight"].dtype == expected
+
+
 def test_save_refuses_an_unknown_dtype_name_before_writing(tmp_path):
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         formats.save(lm(), tmp_path / "m", dtype="int3")
