@@ -7,7 +7,6 @@ folder and index), from the tensors written and from hf.py's stated rules, never
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
