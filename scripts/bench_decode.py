@@ -14,8 +14,9 @@ before ours runs, so its spinning threads never meet torch's), then ours: greedy
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
 steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
 each PREFILL length keeping the last position's logits (as generate's first step); then the read
-rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum and torch's
-sum, the faster counts), and the blocks' 48 matrix products of each PREFILL length alone through
+rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum, each thread
+reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
+thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
 (the weight matrices in that precision; KV cache and embedding rows left out).
@@ -121,7 +122,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     fp32 = GPT2LMHeadModel(cfg).eval()
     state = fp32.state_dict()
     print(machine_line() + f"; {_cpu_name()}; {datetime.datetime.now().isoformat(timespec='minutes')}")
-    print(f"kernels: {'gpt2attn.kernels (AVX2/FMA/F16C)' if kernels.available() else 'plain torch (no kernels)'}")
+    print(f"kernels: {f'gpt2attn.kernels ({kernels.instruction_set()})' if kernels.available() else 'plain torch (no kernels)'}")
     ours, files = {}, {}
     tmp = tempfile.TemporaryDirectory()
     tokenizer = synthetic_tokenizer(cfg.vocab_size)
@@ -138,7 +139,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     long = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=g) for t in lengths}
     keys = ["decode"] + [f"prefill {t}" for t in lengths]
     results = {(mode, side, key): [] for mode in modes for side in ("ours", "llama.cpp") for key in keys}
-    read_rates = []
+    read_rates, one_stream_rates = [], []
     gemm_floor = {t: [] for t in lengths}  # tok/s of the blocks' 48 products alone, through torch (MKL), fp32
 
     def blocks_products(x: torch.Tensor) -> None:
@@ -169,13 +170,16 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 gemm_floor[length].append(length / best_of(lambda: blocks_products(x), 2))
             t_ours = best_of(lambda: kernels.read_sum(buffer), 5)
             t_torch = best_of(lambda: buffer.sum(), 5)
-            read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch))
+            t_one = best_of(lambda: kernels.read_sum(buffer, streams=1), 5)
+            read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch, t_one))
+            one_stream_rates.append(buffer.numel() * 4 / t_one)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     tmp.cleanup()
 
     rate = statistics.median(read_rates)
     print(f"read rate: {rate / 1e9:.1f} GB/s (median of {len(read_rates)}, "
-          f"{min(read_rates) / 1e9:.1f}-{max(read_rates) / 1e9:.1f}), {args.threads} threads")
+          f"{min(read_rates) / 1e9:.1f}-{max(read_rates) / 1e9:.1f}), {args.threads} threads; one stream a thread: "
+          f"{statistics.median(one_stream_rates) / 1e9:.1f} GB/s")
     print(f"gpt2-small, batch 1, prompt {args.prompt}, {args.new} new tokens; prefill keeps the last position's "
           f"logits; medians of {args.rounds} rounds [min-max]")
     rows, shown = [], []
@@ -183,7 +187,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
         for side, kind in (("ours", mode), ("llama.cpp", PAIRS[mode])):
             nbytes = matrix_bytes(fp32, *BYTES[kind])
             row = {"precision": mode, "engine": side, "format": kind, "bytes_per_token": nbytes,
-                   "read_rate_gb_s": rate / 1e9, "threads": args.threads}
+                   "read_rate_gb_s": rate / 1e9, "one_stream_read_rate_gb_s": statistics.median(one_stream_rates) / 1e9,
+                   "threads": args.threads}
             for key in keys:
                 values = results[(mode, side, key)]
                 row[key.replace(" ", "_") + "_tok_s"] = statistics.median(values)

@@ -56,11 +56,20 @@ def test_step_equals_the_modules(mode, B):
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("overrides", [
     dict(n_embd=36, n_head=3, n_inner=100, vocab_size=37),  # head size 12 and odd widths: every loop's tail
+    dict(n_embd=40, n_head=4, n_inner=72, vocab_size=45),  # widths of 8 past a multiple of 16: AVX-512's tail
     dict(scale_attn_by_inverse_layer_idx=True, n_layer=3),
     dict(scale_attn_weights=False, activation_function="gelu_pytorch_tanh"),
 ])
 def test_step_follows_the_config(mode, overrides):
     expected, got, ref_cache, cache = both_ways(model_for(mode, **overrides), 2)
+    assert max_diff(got, expected) < 1e-5 and max_diff(cache.block, ref_cache.block) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("B", [1, 3])
+def test_int8_step_with_odd_and_even_block_counts(B):
+    # 96 inputs: 3 blocks of 32 (AVX-512 takes them two at a time, then one); 160: 5; 64 of the head: 2
+    expected, got, ref_cache, cache = both_ways(model_for("int8", n_embd=96, n_head=4, n_inner=160), B)
     assert max_diff(got, expected) < 1e-5 and max_diff(cache.block, ref_cache.block) < 1e-5
 
 

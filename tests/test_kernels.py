@@ -5,6 +5,7 @@ Where the kernels cannot run on the test machine (no AVX2/FMA/F16C, no compiler)
 compare a kernel with its reference skip with that reason; the fallback tests run everywhere."""
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])
-@pytest.mark.parametrize("K_, N", [(64, 96), (100, 37), (768, 2304)])  # (100, 37): tails of every loop
+@pytest.mark.parametrize("K_, N", [(64, 96), (100, 37), (40, 21), (768, 2304)])  # (100, 37), (40, 21): loops' tails
 def test_cols_and_rows_match_their_references(dtype, B, K_, N):
     x, w, bias = torch.randn(B, K_, generator=G), torch.randn(K_, N, generator=G).to(dtype), torch.randn(N, generator=G)
     assert relative(K.cols(x, w, bias), K.cols_reference(x, w, bias)) < 1e-5
@@ -48,8 +49,9 @@ def test_quantize_q8_is_exactly_the_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("B", [1, 2, 7])
-def test_rows_q8_matches_its_reference(B):
-    N, K_ = 70, 96  # 70 rows: chunks of 4 and a tail
+@pytest.mark.parametrize("K_", [96, 64])  # 3 blocks of 32 (AVX-512 takes two, then one) and 2
+def test_rows_q8_matches_its_reference(B, K_):
+    N = 70  # 70 rows: groups of 4 and a tail
     x, bias = torch.randn(B, K_, generator=G), torch.randn(N, generator=G)
     w8 = torch.randint(-127, 128, (N, K_), generator=G, dtype=torch.int8)
     scale = torch.rand(N, generator=G)
@@ -59,9 +61,10 @@ def test_rows_q8_matches_its_reference(B):
 
 
 @needs_kernels
-def test_read_sum_sums():
-    x = torch.randn(100_003, generator=G)
-    assert abs(K.read_sum(x) - x.double().sum().item()) < 1e-2
+@pytest.mark.parametrize("streams", [1, 3, 8])
+def test_read_sum_sums(streams):
+    x = torch.randn(100_003, generator=G)  # runs of 32 per stream and thread, and what they leave
+    assert abs(K.read_sum(x, streams) - x.double().sum().item()) < 1e-2
 
 
 @pytest.fixture
@@ -104,6 +107,35 @@ def test_unusable_names_the_reason(monkeypatch):
     monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2"})
     if K.platform.system() == "Linux" and K.platform.machine() in ("x86_64", "AMD64"):
         assert K._unusable() == "this CPU lacks fma, f16c"
+
+
+def test_avx512_is_built_only_where_the_cpu_has_all_of_it(monkeypatch):
+    monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
+    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    assert K.flags() == K.FLAGS and K.instruction_set() == "AVX2, FMA, F16C"
+    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *K.AVX512})
+    assert K.flags() == K.FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+    assert K.instruction_set().startswith("AVX-512")
+    monkeypatch.setenv("GPT2ATTN_AVX512", "0")
+    assert K.flags() == K.FLAGS
+
+
+@needs_kernels
+@pytest.mark.skipif(not set(K.AVX512) <= K._cpu_flags(), reason="this CPU has no AVX-512: its one build is the AVX2 one")
+def test_the_avx2_build_also_matches_the_references_on_an_avx512_cpu(monkeypatch):
+    """The other tests run the AVX-512 build here; this one the AVX2 build every other CPU runs."""
+    monkeypatch.setenv("GPT2ATTN_AVX512", "0")
+    lib = K._bind(ctypes.CDLL(str(K._build())))
+    monkeypatch.setattr(K, "library", lambda: lib)
+    for K_, N in [(40, 21), (768, 2304)]:
+        x, w, bias = torch.randn(3, K_, generator=G), torch.randn(N, K_, generator=G), torch.randn(N, generator=G)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert relative(K.rows(x, w.to(dtype), bias), K.rows_reference(x, w.to(dtype), bias)) < 1e-5
+            wc = w.t().contiguous().to(dtype)
+            assert relative(K.cols(x, wc, bias), K.cols_reference(x, wc, bias)) < 1e-5
+    x, bias = torch.randn(2, 96, generator=G), torch.randn(70, generator=G)
+    w8, scale = torch.randint(-127, 128, (70, 96), generator=G, dtype=torch.int8), torch.rand(70, generator=G)
+    assert relative(K.rows_q8(x, w8, scale, bias), K.rows_q8_reference(x, w8, scale, bias)) < 1e-5
 
 
 @pytest.fixture(scope="module")

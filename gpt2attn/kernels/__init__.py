@@ -12,10 +12,12 @@ all of torch's threads, and accumulate in fp32:
 Each has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the order
 of the additions differs; quantize_q8 is exact), used when the kernel is not there.
 
-The kernel is C++ with AVX2, FMA and F16C intrinsics and OpenMP. It is compiled on first use with
-the system's C++ compiler ($CXX, else g++ or c++) into a cache folder ($GPT2ATTN_CACHE, else
-~/.cache/gpt2attn) under a name keyed by the source, the flags and this CPU, so another machine
-or a changed source builds afresh (about 2 s), and loaded with ctypes. It links the OpenMP
+The kernel is C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
+VL, DQ and VNNI) it is built with those too, and the rows products then take 16 floats or 64
+int8 a step (gpt2attn/kernels/simd.h; GPT2ATTN_AVX512=0 builds the AVX2 kernels alone). It is
+compiled on first use with the system's C++ compiler ($CXX, else g++ or c++) into a cache folder
+($GPT2ATTN_CACHE, else ~/.cache/gpt2attn) under a name keyed by the source, the flags and this
+CPU, so another machine or a changed source builds afresh (about 2 s), and loaded with ctypes. It links the OpenMP
 runtime torch already loaded (libgomp), so its threads are torch's. Where the CPU lacks AVX2, FMA
 or F16C, on non-Linux systems, without a compiler, or with GPT2ATTN_KERNELS=0, every product
 takes its reference (a one-line warning says why, once).
@@ -41,6 +43,8 @@ SOURCES = [Path(__file__).with_name(name) for name in ("matvec.cpp", "step.cpp")
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by both; part of the build's cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 NEEDS = ("avx2", "fma", "f16c")
+AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
+          "avx512_vnni": "-mavx512vnni"}  # /proc/cpuinfo's name -> the compiler's flag
 BLOCK = 32  # values per int8 block of x
 
 
@@ -76,6 +80,18 @@ def _unusable() -> str | None:
     return None
 
 
+def flags() -> list[str]:
+    """The compiler flags for this CPU: AVX2, FMA and F16C, and AVX-512 where the CPU has all of
+    AVX512 (unless GPT2ATTN_AVX512=0)."""
+    wide = os.environ.get("GPT2ATTN_AVX512", "1") != "0" and set(AVX512) <= _cpu_flags()
+    return FLAGS + (list(AVX512.values()) if wide else [])
+
+
+def instruction_set() -> str:
+    """Which vector instructions the kernels are built with here, in words."""
+    return "AVX-512 (VNNI), AVX2, FMA, F16C" if "-mavx512f" in flags() else "AVX2, FMA, F16C"
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
@@ -109,7 +125,8 @@ def _build() -> Path:
     """Compile the kernels for this CPU into the cache (once per source, flags and CPU)."""
     compiler = _compiler()
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(), _cpu_name().encode(),
+    build_flags = flags()
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(build_flags).encode(), compiler.encode(), _cpu_name().encode(),
                  " ".join(sorted(_cpu_flags())).encode()):
         key.update(part)
     target = cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
@@ -117,7 +134,7 @@ def _build() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *build_flags, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise subprocess.SubprocessError(done.stderr or f"{compiler} exited with {done.returncode}")
             os.replace(built, target)  # atomic: a process beside this one never loads half a file
@@ -132,7 +149,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "gpt2attn_rows_f32": matvec, "gpt2attn_rows_16": matvec + [i32],
         "gpt2attn_quantize_q8": [p, i64, i64, p, p],
         "gpt2attn_rows_q8": [p, p, i64, i64, p, p, i64, p, p, i32],
-        "gpt2attn_read_sum": [p, i64, i32],
+        "gpt2attn_read_sum": [p, i64, i32, i32],
         "gpt2attn_decode_step": [p, p, i64, i64, p, i64, p, i32],
     }.items():
         getattr(lib, name).argtypes = args
@@ -226,13 +243,14 @@ def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor
     return y
 
 
-def read_sum(x: Tensor) -> float:
-    """The sum of a contiguous fp32 tensor, read once on all of torch's threads (how fast this
-    machine reads memory: the benchmarks' bandwidth limit)."""
+def read_sum(x: Tensor, streams: int = 8) -> float:
+    """The sum of a contiguous fp32 tensor, read once on all of torch's threads, each thread's share
+    as `streams` runs read in step (how fast this machine reads memory: the benchmarks' bandwidth
+    limit; one stream a thread reads slower)."""
     if library() is None:
         return x.sum().item()
-    assert x.dtype == torch.float32 and x.is_contiguous()
-    return library().gpt2attn_read_sum(_ptr(x), x.numel(), torch.get_num_threads())
+    assert x.dtype == torch.float32 and x.is_contiguous() and streams >= 1
+    return library().gpt2attn_read_sum(_ptr(x), x.numel(), torch.get_num_threads(), streams)
 
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:

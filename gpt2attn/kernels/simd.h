@@ -1,5 +1,10 @@
-// AVX2 pieces both kernel files use: widening 8 weights to fp32, a horizontal sum, and the
-// quantization of activations in blocks of 32 (llama.cpp's q8_0 layout).
+// The pieces both kernel files use: widening 8 weights to fp32, a horizontal sum, the
+// quantization of activations in blocks of 32 (llama.cpp's q8_0 layout), and the inner loop of
+// every (N, K) rows product: four rows' dot products with one input row (dot4, dot4_q8).
+//
+// AVX2, FMA and F16C always; where the build has AVX-512 (F, BW, VL, DQ and VNNI: the kernels are
+// built with those flags on a CPU that has them), dot4 and dot4_q8 take 16 floats or 64 int8 a
+// step, and the int8 products one VNNI instruction (vpdpbusd) per 64 bytes instead of three.
 #pragma once
 
 #include <immintrin.h>
@@ -34,6 +39,16 @@ inline float widen(uint16_t v, bool bf16) {
     return f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 weights widened to fp32 (AVX-512)
+inline __m512 load16(const float* p, bool) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p, bool bf16) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+#endif
+
 // n_blocks blocks of 32 floats x -> q (32 int8 each) and scales (one each): scale = max|x| / 127,
 // q = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
 inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scales) {
@@ -56,6 +71,104 @@ inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scal
         v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // packs interleave lanes
         _mm256_storeu_si256((__m256i*)(q + j * 32), v);
     }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define GPT2ATTN_AVX512 1
+#endif
+
+// A rows product reads its four rows as four streams; each step asks for the bytes PREFETCH_BYTES
+// ahead in each (the hardware prefetcher alone keeps fewer reads in flight).
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+inline void prefetch4(const void* w0, const void* w1, const void* w2, const void* w3, int64_t offset) {
+    for (const void* w : {w0, w1, w2, w3}) _mm_prefetch((const char*)w + offset + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
+// out[i] = x (K) . w[i] (K) for the four rows w[i] = w0 + i * stride; K a multiple of 8.
+// `prefetch`: ask for each row's bytes ahead (once per weight row, not for every input row).
+template <typename T, bool bf16>
+inline void dot4(const float* x, const T* w0, int64_t stride, int64_t K, bool prefetch, float* out) {
+    const T *w1 = w0 + stride, *w2 = w1 + stride, *w3 = w2 + stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+#ifdef GPT2ATTN_AVX512
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+    for (; k + 16 <= K; k += 16) {
+        if (prefetch) prefetch4(w0, w1, w2, w3, k * (int64_t)sizeof(T));
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        b0 = _mm512_fmadd_ps(xv, load16(w0 + k, bf16), b0);
+        b1 = _mm512_fmadd_ps(xv, load16(w1 + k, bf16), b1);
+        b2 = _mm512_fmadd_ps(xv, load16(w2 + k, bf16), b2);
+        b3 = _mm512_fmadd_ps(xv, load16(w3 + k, bf16), b3);
+    }
+#endif
+    for (; k < K; k += 8) {
+        if (prefetch) prefetch4(w0, w1, w2, w3, k * (int64_t)sizeof(T));
+        const __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(xv, load<T>(w0 + k, bf16), a0);
+        a1 = _mm256_fmadd_ps(xv, load<T>(w1 + k, bf16), a1);
+        a2 = _mm256_fmadd_ps(xv, load<T>(w2 + k, bf16), a2);
+        a3 = _mm256_fmadd_ps(xv, load<T>(w3 + k, bf16), a3);
+    }
+#ifdef GPT2ATTN_AVX512
+    out[0] = hsum(a0) + _mm512_reduce_add_ps(b0), out[1] = hsum(a1) + _mm512_reduce_add_ps(b1);
+    out[2] = hsum(a2) + _mm512_reduce_add_ps(b2), out[3] = hsum(a3) + _mm512_reduce_add_ps(b3);
+#else
+    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
+}
+
+// out[i] = sum over blocks j of xs[j] * (xq . w[i]) over block j's 32 values, exact in int32 per
+// block, for the four int8 rows w[i] = w0 + i * stride; K a multiple of 32. The products are |x|
+// (as u8) times w carrying x's sign, which fits the u8 x s8 instructions.
+inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t stride, int64_t K, bool prefetch,
+                    float* out) {
+    const int8_t *w1 = w0 + stride, *w2 = w1 + stride, *w3 = w2 + stride;
+    const int64_t nb = K / 32;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0;
+#ifdef GPT2ATTN_AVX512
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+    const __m512i zero = _mm512_setzero_si512();
+    for (; j + 2 <= nb; j += 2) {  // two blocks a step: lanes 0-7 sum block j, lanes 8-15 block j + 1
+        if (prefetch) prefetch4(w0, w1, w2, w3, j * 32), prefetch4(w0, w1, w2, w3, j * 32 + 32);
+        const __m512i xv = _mm512_loadu_si512(xq + 32 * j);
+        const __mmask64 negative = _mm512_movepi8_mask(xv);
+        const __m512i ax = _mm512_abs_epi8(xv);
+        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(xs[j]), _mm256_set1_ps(xs[j + 1]), 1);
+#define GPT2ATTN_Q8_512(acc, row)                                                                        \
+    {                                                                                                    \
+        const __m512i w = _mm512_loadu_si512(row + 32 * j);                                              \
+        const __m512i d = _mm512_dpbusd_epi32(zero, ax, _mm512_mask_sub_epi8(w, negative, zero, w));     \
+        acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), acc);                                            \
+    }
+        GPT2ATTN_Q8_512(b0, w0) GPT2ATTN_Q8_512(b1, w1) GPT2ATTN_Q8_512(b2, w2) GPT2ATTN_Q8_512(b3, w3)
+#undef GPT2ATTN_Q8_512
+    }
+#endif
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (; j < nb; j++) {
+        if (prefetch) prefetch4(w0, w1, w2, w3, j * 32);
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + 32 * j));
+        const __m256i ax = _mm256_sign_epi8(xv, xv);
+        const __m256 s = _mm256_set1_ps(xs[j]);
+#define GPT2ATTN_Q8_256(acc, row)                                                                        \
+    {                                                                                                    \
+        const __m256i w = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(row + 32 * j)), xv);      \
+        acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, w), ones)), acc); \
+    }
+        GPT2ATTN_Q8_256(a0, w0) GPT2ATTN_Q8_256(a1, w1) GPT2ATTN_Q8_256(a2, w2) GPT2ATTN_Q8_256(a3, w3)
+#undef GPT2ATTN_Q8_256
+    }
+#ifdef GPT2ATTN_AVX512
+    out[0] = hsum(a0) + _mm512_reduce_add_ps(b0), out[1] = hsum(a1) + _mm512_reduce_add_ps(b1);
+    out[2] = hsum(a2) + _mm512_reduce_add_ps(b2), out[3] = hsum(a3) + _mm512_reduce_add_ps(b3);
+#else
+    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+#endif
 }
 
 }  // namespace gpt2attn
