@@ -32,8 +32,8 @@ ABOUT = {
             "llm.c model file and from an F16 GGUF with GPT-2's tokenizer, whose weights must be widened to "
             "float32, and the speed of each GGML type's dequantizer (the `gguf` package's reference code).",
     "generate": "Decoding speed: greedy, sampling, beams, prompt lookup and assisted decoding against "
-                "transformers' `generate`, with the memory-bandwidth floor of a matrix-vector product over "
-                "all weights; `--quantize int8` adds the int8 comparison (see [Fast CPU decoding](cpu-decoding.md)).",
+                "transformers' `generate`, with the memory-bandwidth floor (one read of all "
+                "the weights); `--quantize int8` adds the int8 comparison (see [Fast CPU decoding](cpu-decoding.md)).",
     "decode": "CPU decoding at batch 1 in fp32, fp16, bf16 and int8 (`model.quantize(mode)`) against llama.cpp's "
               "`llama-bench` on the same weights written as GGUF by gpt2attn (f32, f16, bf16, q8_0), alternating "
               "in every round, gpt2-small shapes, random weights, prompt 32, 64 new tokens; prefill at 128 and 512 "
