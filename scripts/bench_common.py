@@ -67,9 +67,10 @@ def peak_rss_mib() -> float:
 
 
 def machine_line() -> str:
+    facts = machine_facts()
     return (
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
+        f"machine: {facts['cpu']} ({platform.machine()}; {', '.join(facts['cpu_flags']) or 'no listed SIMD flags'}), "
+        f"{facts['cores']} cores, torch {facts['torch']}, {facts['threads']} threads"
     )
 
 

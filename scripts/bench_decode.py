@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -121,7 +120,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     cfg = GPT2Config.from_preset("gpt2")
     fp32 = GPT2LMHeadModel(cfg).eval()
     state = fp32.state_dict()
-    print(machine_line() + f"; {_cpu_name()}; {datetime.datetime.now().isoformat(timespec='minutes')}")
+    print(machine_line() + f"; {datetime.datetime.now().isoformat(timespec='minutes')}")
     print(f"kernels: {f'gpt2attn.kernels ({kernels.instruction_set()})' if kernels.available() else 'plain torch (no kernels)'}")
     ours, files = {}, {}
     tmp = tempfile.TemporaryDirectory()
@@ -230,9 +229,3 @@ def _cell(row: dict, key: str) -> str:
     lo, hi = row[key + "_range"]
     return f"{row[key + '_tok_s']:.1f} [{lo:.0f}-{hi:.0f}]"
 
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.processor()
