@@ -11,7 +11,8 @@
 // with one scale each (as llama.cpp's q8_0), the 32-value dot products are exact int32 sums.
 // Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count),
 // each taking chunks of the outputs.
-// Built with -mavx2 -mfma -mf16c; the Python side loads it only on a CPU that has all three.
+// Built with -mavx2 -mfma -mf16c (and AVX-512 where the CPU has it: simd.h's dot4 and dot4_q8);
+// the Python side loads it only on a CPU that has all three.
 
 #include <immintrin.h>
 #include <omp.h>

@@ -87,6 +87,17 @@ inline void prefetch4(const void* w0, const void* w1, const void* w2, const void
     for (const void* w : {w0, w1, w2, w3}) _mm_prefetch((const char*)w + offset + PREFETCH_BYTES, _MM_HINT_T0);
 }
 
+// out[i] = the sum of accumulator i's lanes (and, add4, plus those of a 16-lane accumulator)
+inline void sum4(float* out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+}
+#ifdef GPT2ATTN_AVX512
+inline void add4(float* out, __m512 b0, __m512 b1, __m512 b2, __m512 b3) {
+    out[0] += _mm512_reduce_add_ps(b0), out[1] += _mm512_reduce_add_ps(b1);
+    out[2] += _mm512_reduce_add_ps(b2), out[3] += _mm512_reduce_add_ps(b3);
+}
+#endif
+
 // out[i] = x (K) . w[i] (K) for the four rows w[i] = w0 + i * stride; K a multiple of 8.
 // `prefetch`: ask for each row's bytes ahead (once per weight row, not for every input row).
 template <typename T, bool bf16>
@@ -113,11 +124,9 @@ inline void dot4(const float* x, const T* w0, int64_t stride, int64_t K, bool pr
         a2 = _mm256_fmadd_ps(xv, load<T>(w2 + k, bf16), a2);
         a3 = _mm256_fmadd_ps(xv, load<T>(w3 + k, bf16), a3);
     }
+    sum4(out, a0, a1, a2, a3);
 #ifdef GPT2ATTN_AVX512
-    out[0] = hsum(a0) + _mm512_reduce_add_ps(b0), out[1] = hsum(a1) + _mm512_reduce_add_ps(b1);
-    out[2] = hsum(a2) + _mm512_reduce_add_ps(b2), out[3] = hsum(a3) + _mm512_reduce_add_ps(b3);
-#else
-    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+    add4(out, b0, b1, b2, b3);
 #endif
 }
 
@@ -163,11 +172,9 @@ inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t
         GPT2ATTN_Q8_256(a0, w0) GPT2ATTN_Q8_256(a1, w1) GPT2ATTN_Q8_256(a2, w2) GPT2ATTN_Q8_256(a3, w3)
 #undef GPT2ATTN_Q8_256
     }
+    sum4(out, a0, a1, a2, a3);
 #ifdef GPT2ATTN_AVX512
-    out[0] = hsum(a0) + _mm512_reduce_add_ps(b0), out[1] = hsum(a1) + _mm512_reduce_add_ps(b1);
-    out[2] = hsum(a2) + _mm512_reduce_add_ps(b2), out[3] = hsum(a3) + _mm512_reduce_add_ps(b3);
-#else
-    out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+    add4(out, b0, b1, b2, b3);
 #endif
 }
 

@@ -11,11 +11,13 @@
 //                            take chunks of K rows, each a contiguous stretch of memory, and add
 //                            x[k] times every row into their own partial outputs, summed at the end
 //   F32_ROWS, F16_ROWS, BF16_ROWS  (N, K), nn.Linear's layout (the LM head, wte itself when tied):
-//                            threads take chunks of rows, one dot product per output
+//                            threads take spans of rows, each read as four far-apart streams
+//                            (simd.h's dot4: row i of each quarter of the span together)
 //   Q8_ROWS                  (N, K) int8 with one fp32 scale per row; x is quantized once per
 //                            product in blocks of 32 with one scale each (llama.cpp's q8_0), each
 //                            block's 32 products summed exactly in int32
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
+// Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 // GELU is the tanh form (gelu_new), computed with the exp below.
 
 #include <immintrin.h>
