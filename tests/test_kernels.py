@@ -100,6 +100,25 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
         K.library.cache_clear()
 
 
+@needs_kernels
+def test_a_compiler_without_avx512_builds_the_avx2_kernels(monkeypatch, tmp_path):
+    refuses = tmp_path / "cxx"  # g++ that refuses every AVX-512 flag, as an old compiler would
+    refuses.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in -mavx512*) exit 1;; esac; done\nexec {K._compiler()} "$@"\n')
+    refuses.chmod(0o755)
+    monkeypatch.setattr(K, "_compiler", lambda: str(refuses))
+    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *K.AVX512})
+    monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
+    monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path))
+    K.library.cache_clear()
+    try:
+        assert K.library() is not None
+        assert [path.name for path in (tmp_path / "kernels").iterdir()] == [K._build(K.FLAGS).name]
+        x, w = torch.randn(2, 40, generator=G), torch.randn(21, 40, generator=G)
+        assert relative(K.rows(x, w, None), K.rows_reference(x, w, None)) < 1e-5
+    finally:
+        K.library.cache_clear()
+
+
 def test_unusable_names_the_reason(monkeypatch):
     monkeypatch.setenv("GPT2ATTN_KERNELS", "0")
     assert K._unusable() == "GPT2ATTN_KERNELS=0"

@@ -17,8 +17,9 @@ VL, DQ and VNNI) it is built with those too, and the rows products then take 16 
 int8 a step (gpt2attn/kernels/simd.h; GPT2ATTN_AVX512=0 builds the AVX2 kernels alone). It is
 compiled on first use with the system's C++ compiler ($CXX, else g++ or c++) into a cache folder
 ($GPT2ATTN_CACHE, else ~/.cache/gpt2attn) under a name keyed by the source, the flags and this
-CPU, so another machine or a changed source builds afresh (about 2 s), and loaded with ctypes. It links the OpenMP
-runtime torch already loaded (libgomp), so its threads are torch's. Where the CPU lacks AVX2, FMA
+CPU, so another machine or a changed source builds afresh (about 2 s), and loaded with ctypes; a
+compiler that cannot build the AVX-512 kernels builds the AVX2 ones. It links the OpenMP runtime
+torch already loaded (libgomp), so its threads are torch's. Where the CPU lacks AVX2, FMA
 or F16C, on non-Linux systems, without a compiler, or with GPT2ATTN_KERNELS=0, every product
 takes its reference (a one-line warning says why, once).
 """
@@ -58,10 +59,11 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (with a warning) when they cannot run here."""
     why = _unusable()
     if why is None:
-        try:
-            return _bind(ctypes.CDLL(str(_build())))
-        except (OSError, subprocess.SubprocessError) as err:
-            why = f"building the kernels failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
+        for build_flags in dict.fromkeys([tuple(flags()), tuple(FLAGS)]):  # a compiler without AVX-512: AVX2 alone
+            try:
+                return _bind(ctypes.CDLL(str(_build(list(build_flags)))))
+            except (OSError, subprocess.SubprocessError) as err:
+                why = f"building the kernels failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
     if why != "GPT2ATTN_KERNELS=0":
         warnings.warn(f"gpt2attn: CPU decoding kernels unavailable, using plain torch: {why}", RuntimeWarning, 2)
     return None
@@ -121,11 +123,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPT2ATTN_CACHE") or Path.home() / ".cache" / "gpt2attn") / "kernels"
 
 
-def _build() -> Path:
-    """Compile the kernels for this CPU into the cache (once per source, flags and CPU)."""
+def _build(build_flags: list[str] | None = None) -> Path:
+    """Compile the kernels for this CPU with build_flags (default: flags()) into the cache (once per
+    source, flags and CPU)."""
     compiler = _compiler()
     key = hashlib.sha256()
-    build_flags = flags()
+    build_flags = flags() if build_flags is None else build_flags
     for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(build_flags).encode(), compiler.encode(), _cpu_name().encode(),
                  " ".join(sorted(_cpu_flags())).encode()):
         key.update(part)
