@@ -133,7 +133,7 @@ int gpt2attn_abi_version() { return 1; }
 // The sum of n floats, read on `threads` threads: the machine's read rate, for the benchmarks.
 // Each thread reads its share as `streams` equal runs in step, 32 floats of each in turn: a core
 // keeps more reads in flight over several far-apart streams than over one (on this project's
-// machines one stream a core reads 20-25% slower than eight).
+// machines one stream a core read 4% to 28% slower than eight, by the run).
 float gpt2attn_read_sum(const float* p, int64_t n, int threads, int streams) {
     float total = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
