@@ -121,7 +121,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     fp32 = GPT2LMHeadModel(cfg).eval()
     state = fp32.state_dict()
     print(machine_line() + f"; {datetime.datetime.now().isoformat(timespec='minutes')}")
-    print(f"kernels: {f'gpt2attn.kernels ({kernels.instruction_set()})' if kernels.available() else 'plain torch (no kernels)'}")
+    print(f"kernels: {kernels.instruction_set()}")
     ours, files = {}, {}
     tmp = tempfile.TemporaryDirectory()
     tokenizer = synthetic_tokenizer(cfg.vocab_size)

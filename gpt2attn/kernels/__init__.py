@@ -59,9 +59,12 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (with a warning) when they cannot run here."""
     why = _unusable()
     if why is None:
-        for build_flags in dict.fromkeys([tuple(flags()), tuple(FLAGS)]):  # a compiler without AVX-512: AVX2 alone
+        wanted = flags()
+        for build_flags in [wanted] + ([FLAGS] if wanted != FLAGS else []):  # a compiler without AVX-512: AVX2 alone
             try:
-                return _bind(ctypes.CDLL(str(_build(list(build_flags)))))
+                lib = _bind(ctypes.CDLL(str(_build(build_flags))))
+                lib.build_flags = build_flags  # what instruction_set() reports
+                return lib
             except (OSError, subprocess.SubprocessError) as err:
                 why = f"building the kernels failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
     if why != "GPT2ATTN_KERNELS=0":
@@ -90,8 +93,11 @@ def flags() -> list[str]:
 
 
 def instruction_set() -> str:
-    """Which vector instructions the kernels are built with here, in words."""
-    return "AVX-512 (VNNI), AVX2, FMA, F16C" if "-mavx512f" in flags() else "AVX2, FMA, F16C"
+    """Which vector instructions the loaded kernels were built with, in words."""
+    lib = library()
+    if lib is None:
+        return "none: plain torch"
+    return "AVX-512 (VNNI), AVX2, FMA, F16C" if "-mavx512f" in lib.build_flags else "AVX2, FMA, F16C"
 
 
 def _compiler() -> str | None:
