@@ -212,10 +212,10 @@ def as_cache(past: Any, cfg: GPT2Config, dtype: torch.dtype) -> KVCache | None:
         raise ValueError(f"past_key_values have {len(cache)} layers, the model has {cfg.n_layer}")
     key = next((k for k in cache.keys if k is not None), None)  # (B, nh, T, hs)
     if key is not None:
-        if key.size(1) != cfg.n_head or key.size(3) != cfg.head_dim:
+        if key.size(1) != cfg.n_head or key.size(3) != cfg.n_embd // cfg.n_head:
             raise ValueError(
                 f"past_key_values hold {key.size(1)} heads of size {key.size(3)}, "
-                f"the model has n_head={cfg.n_head} of size {cfg.head_dim}"
+                f"the model has n_head={cfg.n_head} of size {cfg.n_embd // cfg.n_head}"
             )
         if key.dtype != dtype and not torch.is_autocast_enabled(key.device.type):
             raise ValueError(f"past_key_values have dtype {key.dtype}, the model's weights {dtype}")

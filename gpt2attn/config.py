@@ -9,6 +9,7 @@ every transformers config may carry, such as `torch_dtype` or `transformers_vers
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -16,6 +17,8 @@ import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
+
+import torch
 
 from .errors import CheckpointError, read_json_file
 from .files import write_text_atomic
@@ -87,6 +90,16 @@ def _default_labels() -> dict[int, str]:
 @dataclass(init=False)
 class GPT2Config:
     model_type: ClassVar[str] = "gpt2"
+    sub_configs: ClassVar[dict[str, type]] = {}  # GPT-2 nests no other config
+    base_config_key: ClassVar[str] = ""
+    # What transformers' PreTrainedConfig answers for every model, read by its generation code,
+    # pipelines, TRL and PEFT; a config may set them (they are then saved with it).
+    is_encoder_decoder = False
+    chunk_size_feed_forward = 0
+    dtype = None  # the weights' dtype as a checkpoint records it ("float32" in config.json)
+    base_model_tp_plan: ClassVar[dict | None] = None  # no tensor-parallel plan
+    base_model_pp_plan: ClassVar[dict | None] = None
+    base_model_ep_plan: ClassVar[dict | None] = None
 
     # the architecture
     vocab_size: int = 50257
@@ -130,10 +143,15 @@ class GPT2Config:
     def __init__(self, **kwargs: Any) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
+        self._attn_implementation = None  # None: chosen when a model is built (see attention_backend.py)
         model_type = kwargs.pop("model_type", "gpt2")
         if model_type != "gpt2":
             raise ValueError(f"config has model_type {model_type!r}; gpt2attn builds only 'gpt2' models")
         num_labels = kwargs.pop("num_labels", None)
+        for key in ("attn_implementation", "_attn_implementation"):
+            if kwargs.get(key) is not None:
+                self._attn_implementation = kwargs.pop(key)
+            kwargs.pop(key, None)
         unknown = []
         for key, value in kwargs.items():
             key = ALIASES.get(key, key)
@@ -157,56 +175,24 @@ class GPT2Config:
         attr = getattr(type(self), key, None)
         if not isinstance(key, str) or (key.startswith("__") and key.endswith("__")):
             raise ValueError(f"GPT2Config: {key!r} cannot be set: not a config key")
-        if key not in _FIELDS and (callable(attr) or (isinstance(attr, property) and attr.fset is None)):
+        if key in ("dtype", "torch_dtype"):  # kept as a torch dtype under `dtype`, as transformers 5 keeps it
+            key, value = "dtype", as_torch_dtype(value)
+        elif key not in _FIELDS and (callable(attr) or (isinstance(attr, property) and attr.fset is None)):
             raise ValueError(f"GPT2Config: {key!r} cannot be set: it is computed or a method")
         setattr(self, key, value)
 
     def validate(self) -> None:
         """Raise ValueError naming the field for a value no GPT-2 config may hold."""
+        check_config(self)
 
-        def require(ok: bool, name: str, what: str) -> None:
-            if not ok:
-                raise ValueError(f"GPT2Config.{name} must be {what}, got {getattr(self, name)!r}")
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """transformers 4's name for `dtype`."""
+        return getattr(self, "dtype", None)
 
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            require(is_int(getattr(self, name)) and getattr(self, name) > 0, name, "a positive integer")
-            check_limit(name, getattr(self, name))
-        require(self.n_inner is None or (is_int(self.n_inner) and self.n_inner > 0), "n_inner", "a positive integer or None")
-        if self.n_inner is not None:
-            check_limit("n_inner", self.n_inner)
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
-                f"each head gets n_embd / n_head dimensions"
-            )
-        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout"):
-            value = getattr(self, name)
-            ok = (value is None and name == "classifier_dropout") or (_is_real(value) and 0 <= value <= 1)
-            require(ok, name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
-        for name in ("layer_norm_epsilon", "initializer_range"):
-            value = getattr(self, name)
-            require(_is_real(value) and math.isfinite(value) and value > 0, name, "a positive number")
-        for name in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
-                     "add_cross_attention", "tie_word_embeddings", "summary_use_proj", "summary_proj_to_labels",
-                     "use_cache", "output_attentions", "output_hidden_states", "return_dict"):
-            require(isinstance(getattr(self, name), bool), name, "true or false")
-        require(isinstance(self.activation_function, str), "activation_function", "a string")
-        for name in ("bos_token_id", "pad_token_id"):
-            require(getattr(self, name) is None or _is_token(getattr(self, name)), name, "a token id (an integer >= 0) or None")
-        eos = self.eos_token_id
-        ok = eos is None or _is_token(eos) or (isinstance(eos, list) and len(eos) > 0 and all(map(_is_token, eos)))
-        require(ok, "eos_token_id", "a token id (an integer >= 0), a non-empty list of them, or None")
-        require(self.summary_type in SUMMARY_TYPES, "summary_type", f"one of {', '.join(SUMMARY_TYPES)}")
-        require(self.summary_activation is None or isinstance(self.summary_activation, str), "summary_activation", "a string or None")
-        require(self.problem_type is None or self.problem_type in PROBLEM_TYPES, "problem_type", f"None or one of {', '.join(PROBLEM_TYPES)}")
-        labels = self.id2label
-        ok = isinstance(labels, dict) and len(labels) > 0 and all(is_int(k) and isinstance(v, str) for k, v in labels.items())
-        require(ok, "id2label", "a non-empty dict of {integer id: label name}")
-        check_limit("num_labels", len(labels))
-        ok = isinstance(self.label2id, dict) and all(isinstance(k, str) and is_int(v) for k, v in self.label2id.items())
-        require(ok, "label2id", "a dict of {label name: integer id}")
-        arch = self.architectures
-        require(arch is None or (isinstance(arch, list) and all(isinstance(a, str) for a in arch)), "architectures", "a list of class names or None")
+    @torch_dtype.setter
+    def torch_dtype(self, value: Any) -> None:
+        self.dtype = as_torch_dtype(value)
 
     # HF aliases, readable and writable.
     hidden_size = _alias("n_embd")
@@ -242,8 +228,8 @@ class GPT2Config:
 
     @property
     def extra(self) -> dict[str, Any]:
-        """The keys that are not GPT-2 fields (torch_dtype, transformers_version, ...)."""
-        return {k: v for k, v in vars(self).items() if k not in _FIELDS}
+        """The keys that are not GPT-2 fields (dtype, transformers_version, ...)."""
+        return {k: v for k, v in vars(self).items() if k not in _FIELDS and k not in NOT_SAVED}
 
     # --- dict / JSON -------------------------------------------------------------------
 
@@ -255,8 +241,30 @@ class GPT2Config:
         return cls(**{**d, **kwargs})
 
     def to_dict(self) -> dict[str, Any]:
-        """An HF-style dict: `transformers.GPT2Config.from_dict` accepts it."""
-        return {**copy.deepcopy(vars(self)), "model_type": self.model_type}
+        """An HF-style dict: `transformers.GPT2Config.from_dict` accepts it. The attention backend
+        is a choice of the running model and is not saved, as in transformers."""
+        d = {k: copy.deepcopy(v) for k, v in vars(self).items() if k not in NOT_SAVED}
+        if isinstance(d.get("dtype"), torch.dtype):
+            d["dtype"] = str(d["dtype"]).removeprefix("torch.")
+        return {**d, "model_type": self.model_type}
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """to_dict() without the keys that hold a default GPT2Config's value (model_type stays)."""
+        default = GPT2Config().to_dict()
+        return {k: v for k, v in self.to_dict().items() if k == "model_type" or k not in default or default[k] != v}
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Set each key of `values` (fields, aliases or extra keys), then check the result."""
+        for key, value in values.items():
+            self._set(ALIASES.get(key, key), value)
+        self.validate()
+
+    def __iter__(self):
+        """The names of the config's attributes, as iterating a transformers config gives them."""
+        return iter(list(vars(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GPT2Config) and vars(self) == vars(other)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "GPT2Config":
@@ -275,15 +283,19 @@ class GPT2Config:
 
     @classmethod
     def from_pretrained(cls, src: str | os.PathLike, cache_dir: Any = None, local_files_only: bool = False,
-                        **kwargs: Any) -> "GPT2Config":
-        """The config.json of a model folder, a config file or a hub name; kwargs override its keys."""
+                        subfolder: str = "", return_unused_kwargs: bool = False, **kwargs: Any) -> "GPT2Config":
+        """The config.json of a model folder (or its `subfolder`), a config file or a hub name;
+        kwargs override its keys. return_unused_kwargs: also return {} (every keyword is a key
+        here), as transformers returns the keywords it did not use."""
         path = resolve(src, cache_dir=cache_dir, local_files_only=local_files_only)
         if path.is_dir():
-            path = path / CONFIG_NAME
+            path = path / subfolder / CONFIG_NAME
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file (a model folder holds {CONFIG_NAME})")
         config = cls.from_json_file(path)
-        return cls.from_dict(config.to_dict(), **kwargs) if kwargs else config
+        if kwargs:
+            config = cls.from_dict(config.to_dict(), **kwargs)
+        return (config, {}) if return_unused_kwargs else config
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write save_directory/config.json (atomically), as transformers' config.save_pretrained."""
@@ -302,6 +314,111 @@ class GPT2Config:
 
 
 _FIELDS = frozenset(f.name for f in fields(GPT2Config))
+NOT_SAVED = frozenset({"_attn_implementation"})
+_DEFAULTS = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(GPT2Config)}
+GPT2Config.attribute_map = dict(ALIASES)  # transformers' name for the alias table
+
+
+def _signature() -> inspect.Signature:
+    """GPT2Config(...)'s keywords as transformers' dataclass config declares them: every field by
+    name (tools read the constructor's signature to learn a config's fields), then **kwargs."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+               for name, default in _DEFAULTS.items()]
+    params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+GPT2Config.__init__.__signature__ = _signature()
+
+# What a config must carry to build a GPT-2: gpt2attn's GPT2Config, transformers' (AutoConfig's,
+# another model's .config) or any object with these attributes.
+ARCHITECTURE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+
+def config_value(config: Any, name: str) -> Any:
+    """A GPT-2 field of any config: its value, or GPT2Config's default where the config has none
+    (transformers' GPT2Config has no classifier_dropout, for one)."""
+    return getattr(config, name, _DEFAULTS[name])
+
+
+def inner_dim(config: Any) -> int:
+    """The MLP's width: n_inner, or 4 * n_embd when that is None."""
+    n_inner = getattr(config, "n_inner", None)
+    return n_inner if n_inner is not None else 4 * config.n_embd
+
+
+def check_config(config: Any) -> None:
+    """Raise ValueError naming the field for a value no GPT-2 config may hold; TypeError for an
+    object that is no GPT-2 config at all."""
+    missing = [name for name in ARCHITECTURE if not hasattr(config, name)]
+    if missing:
+        raise TypeError(f"{type(config).__name__} is not a GPT-2 config: it has no {', '.join(missing)} "
+                        f"(pass gpt2attn's or transformers' GPT2Config)")
+
+    def value(name: str) -> Any:
+        return config_value(config, name)
+
+    def require(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"GPT2Config.{name} must be {what}, got {value(name)!r}")
+
+    for name in ARCHITECTURE:
+        require(is_int(value(name)) and value(name) > 0, name, "a positive integer")
+        check_limit(name, value(name))
+    n_inner = value("n_inner")
+    require(n_inner is None or (is_int(n_inner) and n_inner > 0), "n_inner", "a positive integer or None")
+    if n_inner is not None:
+        check_limit("n_inner", n_inner)
+    if value("n_embd") % value("n_head") != 0:
+        raise ValueError(
+            f"n_embd ({value('n_embd')}) must be divisible by n_head ({value('n_head')}): "
+            f"each head gets n_embd / n_head dimensions"
+        )
+    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout"):
+        ok = (value(name) is None and name == "classifier_dropout") or (_is_real(value(name)) and 0 <= value(name) <= 1)
+        require(ok, name, "a probability in [0, 1]" + (" or None" if name == "classifier_dropout" else ""))
+    for name in ("layer_norm_epsilon", "initializer_range"):
+        require(_is_real(value(name)) and math.isfinite(value(name)) and value(name) > 0, name, "a positive number")
+    for name in ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                 "add_cross_attention", "tie_word_embeddings", "summary_use_proj", "summary_proj_to_labels",
+                 "use_cache", "output_attentions", "output_hidden_states", "return_dict"):
+        require(isinstance(value(name), bool), name, "true or false")
+    require(isinstance(value("activation_function"), str), "activation_function", "a string")
+    for name in ("bos_token_id", "pad_token_id"):
+        require(value(name) is None or _is_token(value(name)), name, "a token id (an integer >= 0) or None")
+    eos = value("eos_token_id")
+    ok = eos is None or _is_token(eos) or (isinstance(eos, list) and len(eos) > 0 and all(map(_is_token, eos)))
+    require(ok, "eos_token_id", "a token id (an integer >= 0), a non-empty list of them, or None")
+    require(value("summary_type") in SUMMARY_TYPES, "summary_type", f"one of {', '.join(SUMMARY_TYPES)}")
+    require(value("summary_activation") is None or isinstance(value("summary_activation"), str), "summary_activation",
+            "a string or None")
+    require(value("problem_type") is None or value("problem_type") in PROBLEM_TYPES, "problem_type",
+            f"None or one of {', '.join(PROBLEM_TYPES)}")
+    labels = value("id2label")
+    ok = isinstance(labels, dict) and len(labels) > 0 and all(is_int(k) and isinstance(v, str) for k, v in labels.items())
+    require(ok, "id2label", "a non-empty dict of {integer id: label name}")
+    check_limit("num_labels", len(labels))
+    # label2id's ids are not read by any model; transformers keeps whatever a file holds ("0" or 0)
+    require(isinstance(value("label2id"), dict) and all(isinstance(k, str) for k in value("label2id")), "label2id",
+            "a dict of {label name: id}")
+    arch = value("architectures")
+    require(arch is None or (isinstance(arch, list) and all(isinstance(a, str) for a in arch)), "architectures",
+            "a list of class names or None")
+
+
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def as_torch_dtype(value: Any) -> torch.dtype | None:
+    """A config's dtype ("float16", "torch.float16" or torch.float16) as a torch dtype; None and
+    "auto" are kept as they are."""
+    if value is None or isinstance(value, torch.dtype) or value == "auto":
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"GPT2Config.dtype must be one of {', '.join(DTYPE_NAMES)}, got {value!r}")
+    return DTYPE_NAMES[name]
 
 
 def is_int(value: Any) -> bool:

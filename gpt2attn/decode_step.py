@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from . import kernels as K
 from .cache import KVCache
+from .config import inner_dim
 from .layers import no_tap
 from .quantize import DECODE_ROWS, CpuLinear, Float32Linear, HalfLinear, Int8Linear
 
@@ -85,7 +86,7 @@ class DecodeStep:
             )
         self.layers = layers
         self.model = K.Model(
-            cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.inner_dim, cfg.vocab_size, cfg.layer_norm_epsilon, 0.0,
+            cfg.n_layer, cfg.n_embd, cfg.n_head, inner_dim(cfg), cfg.vocab_size, cfg.layer_norm_epsilon, 0.0,
             self._vector(transformer.wte.weight), self._vector(transformer.wpe.weight),
             self._vector(transformer.ln_f.weight), self._vector(transformer.ln_f.bias),
             self._matrix(model.lm_head), layers,

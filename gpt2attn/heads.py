@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import KVCache, takes_past_key_values
-from .config import PROBLEM_TYPES, GPT2Config
+from .config import PROBLEM_TYPES, GPT2Config, config_value
+from .generation import GenerationMixin
 from .layers import get_activation, init_weights
 from .model import GPT2LMHeadModel, GPT2Model, check_forward_kwargs, lm_loss
 from .pretrained import GPT2PreTrainedModel
@@ -117,7 +118,7 @@ class GPT2ForTokenClassification(GPT2HeadModel):
     def __init__(self, config: GPT2Config):
         super().__init__(config)
         self.num_labels = config.num_labels
-        p = config.classifier_dropout
+        p = config_value(config, "classifier_dropout")
         self.dropout = nn.Dropout(0.1 if p is None else p)
         self.classifier = initialised(nn.Linear(config.n_embd, self.num_labels), config)
 
@@ -238,7 +239,7 @@ class SequenceSummary(nn.Module):
         return self.last_dropout(self.activation(self.summary(self.first_dropout(x))))
 
 
-class GPT2DoubleHeadsModel(GPT2LMHeadModel):
+class GPT2DoubleHeadsModel(GPT2LMHeadModel, GenerationMixin):
     """The LM head plus a multiple-choice head over `n_choices` candidate sequences per example.
 
     input_ids (B, n_choices, T) (or (B, T)); mc_token_ids (B, n_choices) marks each choice's

@@ -145,7 +145,7 @@ def _tapped(blocks: nn.ModuleList, taps: dict[tuple[int, str], Callable], result
                 raise ValueError(f"{prefix[:-1]} is a {type(module).__name__}, which has no {', '.join(mine)} to tap")
             undo.enter_context(_swap(module, "tap", _chain(module.tap, mine, prefix)))
             if owner == "attn" and "weights" in mine:
-                undo.enter_context(_swap(module, "eager", True))
+                undo.enter_context(_swap(module, "textbook", True))
         yield result
 
 

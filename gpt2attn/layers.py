@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .attention import causal_mask, scaled_dot_product_attention
 from .cache import KVCache
-from .config import GPT2Config
+from .config import GPT2Config, check_config, inner_dim
 
 
 class Conv1D(nn.Module):
@@ -94,10 +94,10 @@ class Attention(nn.Module):
 
     def __init__(self, config: GPT2Config, layer_idx: int = 0, is_cross_attention: bool = False):
         super().__init__()
-        config.validate()
+        check_config(config)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
-        self.head_dim = config.head_dim
+        self.head_dim = config.n_embd // config.n_head
         self.layer_idx = layer_idx
         self.is_cross_attention = is_cross_attention
         if is_cross_attention:
@@ -113,7 +113,9 @@ class Attention(nn.Module):
             self.scale /= layer_idx + 1
         self.upcast = config.reorder_and_upcast_attn
         self.tap = no_tap
-        self.eager = False  # True: always take the textbook path, so the "weights" tap sees them
+        # True: always the textbook formula (attn_implementation "eager"); else PyTorch's fused
+        # kernel wherever no weights are wanted ("sdpa").
+        self.textbook = getattr(config, "_attn_implementation", None) == "eager"
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -155,7 +157,7 @@ class Attention(nn.Module):
         # An additive mask may swamp whole rows (see padding_mask): only the textbook formula's
         # gradient is exact there.
         additive = mask is not None and mask.is_floating_point()
-        if output_attentions or head_mask is not None or self.upcast or self.eager or additive:
+        if output_attentions or head_mask is not None or self.upcast or self.textbook or additive:
             if causal and mask is None and T_q > 1:
                 mask = causal_mask(T_q, T_k, q.device)
             y, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p, head_mask, self.upcast)
@@ -213,7 +215,7 @@ class Block(nn.Module):
         if config.add_cross_attention:
             self.crossattention = Attention(config, layer_idx, is_cross_attention=True)
             self.ln_cross_attn = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config.inner_dim, config)
+        self.mlp = MLP(inner_dim(config), config)
         self.tap = no_tap
 
     def forward(

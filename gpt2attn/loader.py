@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -32,19 +32,38 @@ def from_pretrained(
     src: Any,
     dtype: Any = None,
     device: Any = None,
-    config: GPT2Config | None = None,
+    config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     local_files_only: bool = False,
     torch_dtype: Any = None,
+    state_dict: dict[str, Tensor] | None = None,
+    attn_implementation: str | None = None,
+    output_loading_info: bool = False,
+    ignore_mismatched_sizes: bool = False,
     **config_kwargs: Any,
 ):
     """Build `cls` (GPT2Model, GPT2LMHeadModel or a head) with the weights of `src`, in eval mode.
 
     dtype: None (as stored), a torch dtype, a name ('bf16', 'float16', ...) or 'auto' (the
-    config's torch_dtype). device: where the weights go. Both apply while loading. Other keywords
+    config's dtype). device: where the weights go. Both apply while loading. Other keywords
     override config fields, as in transformers (`num_labels=3`, `pad_token_id=50256`).
+    src None with state_dict= (and config=) loads that state dict, as transformers does.
+
+    Loading is strict: weights the model lacks, extra weights or wrong shapes raise CheckpointError
+    naming them. output_loading_info=True asks for transformers' lenient load instead: what fits
+    is loaded, the rest initialised (each with a warning), and (model, {"missing_keys",
+    "unexpected_keys", "mismatched_keys", "error_msgs"}) returned. ignore_mismatched_sizes=True
+    initialises weights of the wrong shape (a head with another number of labels) instead of
+    refusing them.
     """
+    if torch.get_default_device().type == "meta":
+        raise RuntimeError("You are using `from_pretrained` with a meta device context manager: the loaded weights "
+                           "would be thrown away. Build the model with cls(config) under the context manager instead")
     dtype = dtype if dtype is not None else torch_dtype
+    if src is None:
+        if state_dict is None:
+            raise ValueError("from_pretrained(None) needs state_dict= (and config=): there is nothing to load")
+        src = state_dict
     path = None
     if isinstance(src, dict) and not all(isinstance(t, Tensor) for t in src.values()):
         nanogpt_config, state = from_nanogpt(src, "state dict")  # a training checkpoint, not a state dict
@@ -62,16 +81,28 @@ def from_pretrained(
         for key, value in config_kwargs.items():
             setattr(config, key, value)
         config.validate()
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     # A caller's state dict is copied, so the new model does not share storage with its source.
     copy = isinstance(src, dict)
-    model = build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy)
+    lenient = Leniency(missing=output_loading_info, mismatched=ignore_mismatched_sizes)
+    model, info = build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy, lenient)
     if path is not None and path.is_dir() and hasattr(cls, "generate"):
         load_generation_config(model, path)
-    return model
+    return (model, info) if output_loading_info else model
 
 
-def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, device, where: str, copy: bool):
-    """A `cls` on the meta device, then the checked tensors assigned into it."""
+class Leniency(NamedTuple):
+    """What a load forgives, as transformers does; gpt2attn refuses both by default."""
+
+    missing: bool = False  # weights the checkpoint lacks are initialised, extra ones dropped
+    mismatched: bool = False  # weights of the wrong shape are initialised
+
+
+def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device, where: str, copy: bool,
+                lenient: Leniency = Leniency()) -> tuple[nn.Module, dict[str, Any]]:
+    """A `cls` on the meta device, then the checked tensors assigned into it. Returns the model and
+    transformers' loading report (the keys initialised, dropped or of the wrong shape)."""
     check_layers(config, state, where)  # before n_layer blocks are built
     with torch.device("meta"), no_random_init():
         model = cls(config)
@@ -82,20 +113,48 @@ def build_model(cls: type, config: GPT2Config, state: dict[str, Tensor], dtype, 
         state.pop("lm_head.weight", None)
     skip = {"lm_head.weight"} if tied else set()
     new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
-    check_state(state, expected, skip=skip | set(new_head), where=where)
+    info = forgive(state, expected, skip | set(new_head), lenient, where)
+    check_state(state, expected, skip=skip | set(new_head) | info["missing_keys"], where=where)
     device = torch.device(device) if device is not None else None
     if dtype is None:  # a checkpoint mixing float dtypes is cast to its token embedding's, so the model runs
         stored = {t.dtype for t in state.values() if t.is_floating_point()}
         wte = state.get("transformer.wte.weight", state.get("wte.weight"))
         dtype = wte.dtype if len(stored) > 1 and wte is not None else None
-    if new_head:
+    to_init = new_head + sorted(info["missing_keys"])
+    if to_init:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
-        init_new_head(model, new_head, config, device, dtype or stored)
+        init_new_head(model, to_init, config, device, dtype or stored)
     state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tied:  # by the config, or because the checkpoint has no head of its own
         model.lm_head.weight = model.transformer.wte.weight
-    return model.eval()
+    return model.eval(), info
+
+
+def forgive(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], lenient: Leniency,
+            where: str) -> dict[str, Any]:
+    """transformers' loading report. The keys `lenient` forgives are taken out of `state` (to be
+    initialised instead), each kind with one warning naming them; check_state refuses the rest."""
+    mismatched = {k for k, t in state.items() if k in expected and tuple(t.shape) != tuple(expected[k].shape)}
+    missing = {k for k in expected if k not in state and k not in skip}
+    unexpected = {k for k in state if k not in expected}
+    info: dict[str, Any] = {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    if lenient.mismatched and mismatched:
+        for key in mismatched:
+            del state[key]
+        info["mismatched_keys"] = mismatched
+        info["missing_keys"] = set(mismatched)
+        warnings.warn(f"{where}: weights of the wrong shape, newly initialised: {shorten(sorted(mismatched))}",
+                      stacklevel=5)
+    if lenient.missing:
+        for key in unexpected:
+            del state[key]
+        info["unexpected_keys"] = unexpected
+        info["missing_keys"] |= missing
+        if missing:
+            warnings.warn(f"{where}: weights the checkpoint lacks, newly initialised: {shorten(sorted(missing))}",
+                          stacklevel=5)
+    return info
 
 
 @contextmanager

@@ -17,9 +17,9 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_mask
-from .cache import KVCache, as_cache, cached_length, takes_past_key_values, write_back
+from .cache import KVCache, as_cache, takes_past_key_values, write_back
 from .config import GPT2Config, is_int
-from .generation import GenerationConfig, as_generation_config, compute_transition_scores, generate
+from .generation import GenerationMixin
 from .layers import Block, encoder_attention, init_weights, padding_mask
 from .outputs import BaseModelOutput, CausalLMOutput
 from .pretrained import GPT2PreTrainedModel
@@ -58,7 +58,8 @@ class GPT2Model(GPT2PreTrainedModel):
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config, layer_idx=i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False  # see activation_checkpointing_enable
+        # see activation_checkpointing_enable; transformers 4's configs could switch it on
+        self.gradient_checkpointing = bool(getattr(config, "gradient_checkpointing", False))
         self.gradient_checkpointing_kwargs = {"use_reentrant": False}
         self.checkpoint_every = 1
         self.checkpoint_offload = False
@@ -165,7 +166,7 @@ class GPT2Model(GPT2PreTrainedModel):
         return out if return_dict else out.to_tuple()
 
 
-class GPT2LMHeadModel(GPT2PreTrainedModel):
+class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     def __init__(self, config: GPT2Config):
         super().__init__(config)
         self.transformer = GPT2Model(config)
@@ -177,10 +178,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
 
     accepts_loss_kwargs = True  # transformers' Trainer passes num_items_in_batch to forward
     output_modalities = ("text",)
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        return True
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}  # target: source, as transformers 5
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -235,69 +233,6 @@ class GPT2LMHeadModel(GPT2PreTrainedModel):
         out = CausalLMOutput(loss, logits, out.cache, out.hidden_states, out.attentions, out.cross_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
-
-    @takes_past_key_values
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: Tensor,
-        cache: Any = None,
-        attention_mask: Tensor | None = None,
-        inputs_embeds: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        token_type_ids: Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """forward's arguments for the next decoding step, as transformers' generate builds them:
-        with a cache only the ids it does not hold yet; position ids counted from the attention
-        mask (so left padding works); inputs_embeds only before anything is cached."""
-        past_len = cached_length(cache)
-        next_len = kwargs.pop("next_sequence_length", None)
-        for key in ("labels", "is_first_iteration"):  # generate's bookkeeping, not forward's arguments
-            kwargs.pop(key, None)
-        if next_len is not None:
-            input_ids = input_ids[:, -next_len:]
-        elif past_len:
-            input_ids = input_ids[:, past_len:]
-        if position_ids is None and attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        T = input_ids.size(1)
-        inputs: dict[str, Any] = {"input_ids": input_ids}
-        if inputs_embeds is not None and past_len == 0:
-            inputs = {"inputs_embeds": inputs_embeds}
-            T = inputs_embeds.size(1)
-        return {
-            **inputs,
-            "cache": cache,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids[:, -T:] if position_ids is not None else None,
-            "token_type_ids": token_type_ids[:, -T:] if token_type_ids is not None else None,
-            "use_cache": use_cache,
-            **kwargs,
-        }
-
-    @property
-    def generation_config(self) -> Any:
-        """generate()'s defaults: the folder's generation_config.json, else from the config."""
-        if "_generation_config" not in self.__dict__:
-            self.__dict__["_generation_config"] = GenerationConfig.from_model_config(self.config)
-        return self.__dict__["_generation_config"]
-
-    @generation_config.setter
-    def generation_config(self, value: Any) -> None:
-        """gpt2attn's GenerationConfig, or transformers' (kept as ours: the fields it sets)."""
-        self.__dict__["_generation_config"] = as_generation_config(value)
-
-    def generate(self, input_ids: Tensor | None = None, generation_config: Any = None, stopping_criteria: Any = None,
-                 assistant_model: Any = None, **kwargs: Any) -> Any:
-        """Continue input_ids as transformers' generate does; see gpt2attn.generation.generate."""
-        return generate(self, input_ids, generation_config=generation_config, stopping_criteria=stopping_criteria,
-                        assistant_model=assistant_model, **kwargs)
-
-    def compute_transition_scores(self, sequences: Tensor, scores: tuple[Tensor, ...],
-                                  beam_indices: Tensor | None = None, normalize_logits: bool = False) -> Tensor:
-        """Each generated token's score at the step that chose it; see gpt2attn.generation."""
-        return compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
 
 
 def kept_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import GPT2Config, is_int
+from .config import GPT2Config, as_torch_dtype, check_config, is_int
 from .generation.config import GenerationConfig
+from .generation.mixin import GenerationMixin
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
 from .bridge import from_transformers, to_transformers
@@ -35,11 +36,25 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     input_modalities = "text"
     generation_config_class = GenerationConfig  # what generate() and generation_config take
 
+    # The attention backends (transformers' attn_implementation): "sdpa", PyTorch's fused kernel
+    # wherever no attention weights are wanted, and "eager", the textbook formula of attention.py
+    # everywhere. transformers' utilities (and accelerate, PEFT, TRL) read these flags.
+    ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False  # no registry of attention kernels to choose from
+    _can_compile_fullgraph = True  # the forward traces as one graph (static caches included)
+    _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
+    _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device
+    _keep_in_fp32_modules: set[str] = set()  # no module must stay in fp32 when the rest is fp16
+    _keep_in_fp32_modules_strict: set[str] = set()
+    _tied_weights_keys = None  # GPT2LMHeadModel's: {"lm_head.weight": "transformer.wte.weight"}
+
     def __init__(self, config: GPT2Config):
         super().__init__()
-        if not isinstance(config, GPT2Config):
-            raise TypeError(f"config must be a gpt2attn GPT2Config, got {type(config).__name__}")
-        config.validate()
+        check_config(config)  # gpt2attn's GPT2Config, transformers' or any config with GPT-2's fields
+        config._attn_implementation = checked_attn_implementation(getattr(config, "_attn_implementation", None))
         self.config = config
 
     @classmethod
@@ -47,8 +62,11 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
                         quantize: str | None = None, **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
         quantize='fp32', 'fp16', 'bf16' or 'int8' then applies gpt2attn.quantize (CPU inference)."""
-        model = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
-        return model.quantize(quantize) if quantize is not None else model
+        loaded = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
+        model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
+        if quantize is not None:
+            model.quantize(quantize)
+        return (model, info) if info is not None else model
 
     def quantize(self, mode: str = "int8"):
         """Make the model decode fast on the CPU, in place, with weights in 'fp32', 'fp16', 'bf16'
@@ -67,7 +85,55 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
 
     @classmethod
     def can_generate(cls) -> bool:
-        return False
+        """Whether generate() continues text with this class: those with GenerationMixin among their bases."""
+        return issubclass(cls, GenerationMixin)
+
+    # --- attention backend -----------------------------------------------------------------
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
+        """Switch every attention layer to "sdpa" or "eager" (a dict: its "" entry; GPT-2 has no
+        sub-models), recording the choice in config._attn_implementation as transformers does.
+        allow_all_kernels is for transformers' hub kernels, which are never loaded here."""
+        if isinstance(attn_implementation, dict):
+            attn_implementation = attn_implementation.get("", self.config._attn_implementation)
+        name = checked_attn_implementation(attn_implementation)
+        self.config._attn_implementation = name
+        for module in self.modules():
+            if hasattr(module, "textbook"):
+                module.textbook = name == "eager"
+
+    @classmethod
+    def _from_config(cls, config: Any, attn_implementation: str | None = None, dtype: Any = None,
+                     torch_dtype: Any = None, **kwargs: Any):
+        """cls(config) with random weights, as AutoModel.from_config builds it: attn_implementation
+        recorded in the config first, the weights in dtype (default float32)."""
+        if kwargs:
+            raise TypeError(f"_from_config() got unexpected keyword arguments {sorted(kwargs)}")
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
+        dtype = dtype if dtype is not None else torch_dtype
+        model = cls(config)
+        return model.to(as_torch_dtype(dtype)) if dtype not in (None, "auto") else model
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any):
+        """See _from_config."""
+        return cls._from_config(config, **kwargs)
+
+    def post_init(self) -> None:
+        """transformers' last step of a model's __init__: weights initialised, heads tied. Here
+        each class's __init__ does both; calling this again re-initialises every weight."""
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Draw every weight afresh (transformers' init: N(0, initializer_range), scaled c_proj,
+        zero biases, LayerNorm 1/0), then tie the head to wte when the config ties them."""
+        init_weights(self, self.config)
+        self.tie_weights()
 
     def add_model_tags(self, tags: list[str] | str) -> None:
         """Add tags (a str or a list) to model_tags, each once, keeping the ones there."""
@@ -173,6 +239,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         if head is not None:
             head.out_features = n
         self.config.vocab_size = n
+        self.vocab_size = n  # transformers records it on the model too
         self.tie_weights()
         return wte
 
@@ -243,6 +310,16 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
 
     @property
+    def tp_plan(self) -> dict[str, str]:
+        """transformers' tensor-parallel plan: none (tensor parallelism is out of scope)."""
+        return {}
+
+    @property
+    def pp_plan(self) -> dict[str, Any]:
+        """transformers' pipeline-parallel plan: none."""
+        return {}
+
+    @property
     def base_model(self) -> nn.Module:
         """The GPT2Model at the core (the model itself for a GPT2Model)."""
         return getattr(self, self.base_model_prefix, self)
@@ -264,6 +341,16 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
             for p in self.parameters()
             if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings)
         )
+
+
+def checked_attn_implementation(name: str | None) -> str:
+    """The attention backend a model runs: "sdpa" when none is asked for."""
+    if name is None:
+        return "sdpa"
+    if name not in GPT2PreTrainedModel.ATTN_IMPLEMENTATIONS:
+        raise ValueError(f'Specified `attn_implementation="{name}"` is not supported: gpt2attn runs '
+                         f"{' or '.join(map(repr, GPT2PreTrainedModel.ATTN_IMPLEMENTATIONS))} attention")
+    return name
 
 
 def resize_rows(old: nn.Module, new: nn.Module, mean_resizing: bool, config: GPT2Config) -> None:

@@ -60,16 +60,16 @@ def test_only_chosen_layers_leave_the_fast_path(model, ids, monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_fused)
     monkeypatch.setattr(gpt2attn.layers, "scaled_dot_product_attention", counting_textbook)
-    originals = [block.attn.eager for block in model.transformer.h]
+    originals = [block.attn.textbook for block in model.transformer.h]
     with inspect.capture(model, layers=[1], names=["weights", "q"]):
-        seen = [block.attn.eager for block in model.transformer.h]
+        seen = [block.attn.textbook for block in model.transformer.h]
         with torch.no_grad():
             model(ids)
     assert seen == [False, True, False]
     assert calls == ["fused", "textbook", "fused"]
     with inspect.capture(model, layers=[0], names=["q"]):
-        assert not model.transformer.h[0].attn.eager  # q alone does not need the weights
-    assert [block.attn.eager for block in model.transformer.h] == originals
+        assert not model.transformer.h[0].attn.textbook  # q alone does not need the weights
+    assert [block.attn.textbook for block in model.transformer.h] == originals
 
 
 def test_captured_qkv_equal_recompute_from_c_attn(model, ids):
@@ -154,7 +154,7 @@ def test_edits_and_captures_nest_and_are_removed(model, ids):
         assert torch.all(acts["h.0.attn.weights"][:, 1:].sum(-1).sub(1).abs() < 1e-5)
     for block in model.transformer.h:
         assert block.tap is no_tap and block.attn.tap is no_tap and block.mlp.tap is no_tap
-        assert not block.attn.eager
+        assert not block.attn.textbook
 
 
 def test_hooks_removed_after_an_exception(model, ids):

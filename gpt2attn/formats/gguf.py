@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import LIMITS, GPT2Config, is_int
+from ..config import LIMITS, GPT2Config, inner_dim, is_int
 from ..errors import CheckpointError
 from ..files import write_atomic
 from ..tokenizer import EOS_TOKEN, byte_level_bpe
@@ -387,7 +387,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         writer.add_block_count(config.n_layer)
         writer.add_context_length(config.n_positions)
         writer.add_embedding_length(config.n_embd)
-        writer.add_feed_forward_length(config.inner_dim)
+        writer.add_feed_forward_length(inner_dim(config))
         writer.add_head_count(config.n_head)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
         writer.add_file_type(file_type)

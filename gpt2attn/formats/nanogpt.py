@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import GPT2Config
+from ..config import GPT2Config, inner_dim
 from ..errors import CheckpointError
 from .state_dict import check_state_dict, infer_config, layer_indices, normalize_keys, read_bin
 
@@ -82,7 +82,7 @@ def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, di
                                          f"{config.vocab_size}) do not fit the weights in 'model' ({len(held)} blocks, "
                                          f"wte {tuple(wte.shape) if wte is not None else 'missing'})")
         C = config.n_embd
-        widths = {"attn.c_attn.bias": 3 * C, "mlp.c_fc.bias": config.inner_dim}
+        widths = {"attn.c_attn.bias": 3 * C, "mlp.c_fc.bias": inner_dim(config)}
         for i in range(config.n_layer):
             for bias in BIASES:
                 state.setdefault(f"transformer.h.{i}.{bias}", torch.zeros(widths.get(bias, C)))

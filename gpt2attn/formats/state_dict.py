@@ -141,7 +141,8 @@ def resolve_dtype(dtype: Any, config: GPT2Config) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        name = config.extra.get("torch_dtype") or config.extra.get("dtype")
+        name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        name = str(name).removeprefix("torch.") if name is not None else None
         return DTYPE_NAMES[name] if name in DTYPE_NAMES else None
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_NAMES:

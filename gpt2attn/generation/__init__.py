@@ -10,12 +10,14 @@ its generate() / generation_config.
     search.py      greedy / sampling, beam search
     assisted.py    assisted decoding: an assistant model's or the prompt's drafts, verified
     generate.py    generate(): inputs checked, settings resolved, a search chosen, outputs
+    mixin.py       GenerationMixin: generate() and its companions as methods of a model class
 """
 
 from pathlib import Path
 
 from .config import GenerationConfig, as_generation_config
 from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, compute_transition_scores, generate
+from .mixin import GenerationMixin
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 
@@ -24,6 +26,7 @@ __all__ = [
     "GenerateBeamDecoderOnlyOutput",
     "GenerateDecoderOnlyOutput",
     "GenerationConfig",
+    "GenerationMixin",
     "as_generation_config",
     "compute_transition_scores",
     "generate",

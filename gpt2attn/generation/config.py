@@ -54,9 +54,17 @@ class GenerationConfig:
     return_dict_in_generate: bool = False
     output_scores: bool = False
     output_logits: bool = False
+    output_attentions: bool = False  # each step's attention weights, per layer
+    output_hidden_states: bool = False  # each step's hidden states, embeddings and every layer's output
+    remove_invalid_values: bool = False  # nan and ±inf logits made finite before a token is chosen
     use_cache: bool = True
+    # how the cache is laid out: gpt2attn always preallocates the whole request's cache in place
+    # (transformers' "static"), so any value gives the same tokens
+    cache_implementation: str | None = None
     # not saved by transformers, accepted for convenience: seeds the sampling generator
     seed: int | None = field(default=None, metadata={"saved": False})
+    # transformers' compilation settings for generate: accepted, not used (call torch.compile yourself)
+    compile_config: Any = field(default=None, metadata={"saved": False})
 
     @classmethod
     def from_model_config(cls, config) -> "GenerationConfig":
@@ -205,7 +213,7 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 # transformers' GenerationConfig fields that choose how generate runs (compilation, the cache's layout,
 # bookkeeping), not which tokens come out: a transformers config carrying them is taken without them.
 HOW_NOT_WHAT = {"transformers_version", "_from_model_config", "disable_compile", "compile_config",
-                "cache_implementation", "cache_config", "low_memory"}
+                "cache_config", "low_memory"}
 
 
 def as_generation_config(value: Any, base: GenerationConfig | None = None) -> GenerationConfig:

@@ -16,7 +16,9 @@ from ..decode_step import DecodeStep, unfused_reason
 
 class Decoder:
     def __init__(self, model, rows: int, capacity: int, device, mask: Tensor | None = None,
-                 token_type_ids: Tensor | None = None, past: KVCache | None = None):
+                 token_type_ids: Tensor | None = None, past: KVCache | None = None, record: dict | None = None):
+        """record: {"attentions": [], "hidden_states": []} (either key) to collect, per forward,
+        the per-layer attention weights / hidden states generate() returns."""
         cfg = model.config
         self.model = model
         self.cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head, model.dtype, device)
@@ -28,7 +30,9 @@ class Decoder:
         # New tokens go after every shared position, so only a rollback lowers it.
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
         # a quantized model takes one new token per row in a single call (see gpt2attn.decode_step)
-        self.step = DecodeStep(model) if token_type_ids is None and unfused_reason(model) is None else None
+        self.record = record or {}
+        fused = token_type_ids is None and not self.record and unfused_reason(model) is None
+        self.step = DecodeStep(model) if fused else None
         self.mask = None
         if mask is not None and not bool(mask.all()):
             self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
@@ -57,8 +61,11 @@ class Decoder:
                 self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
             else:
                 kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
-        hidden = self.model.transformer(ids, inputs_embeds=embeds, cache=self.cache, use_cache=True,
-                                        return_dict=True, **kwargs)
+        hidden = self.model.transformer(ids, inputs_embeds=embeds, cache=self.cache, use_cache=True, return_dict=True,
+                                        output_attentions="attentions" in self.record,
+                                        output_hidden_states="hidden_states" in self.record, **kwargs)
+        for key in self.record:
+            self.record[key].append(getattr(hidden, key))  # per layer: (N, nh, k, T_k) / (N, k, C)
         h = hidden.last_hidden_state
         return self.model.lm_head(h if all_positions else h[:, -1]).float()  # (N, [k,] V)
 

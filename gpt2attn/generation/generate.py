@@ -30,6 +30,8 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     sequences: Tensor
     scores: tuple[Tensor, ...] | None = None  # per step (N, V), after the processors
     logits: tuple[Tensor, ...] | None = None  # per step (N, V), raw
+    attentions: tuple[tuple[Tensor, ...], ...] | None = None  # per step, per layer (N, nh, k, T_k)
+    hidden_states: tuple[tuple[Tensor, ...], ...] | None = None  # per step, per layer + 1 (N, k, C)
     cache: KVCache | None = None
 
 
@@ -42,6 +44,8 @@ class GenerateBeamDecoderOnlyOutput(ModelOutput):
     scores: tuple[Tensor, ...] | None = None  # per step (B * num_beams, V): processed log-probabilities
     logits: tuple[Tensor, ...] | None = None
     beam_indices: Tensor | None = None  # (B * num_return_sequences, new): the row each token came from
+    attentions: tuple[tuple[Tensor, ...], ...] | None = None  # per step, per layer (B * num_beams, nh, k, T_k)
+    hidden_states: tuple[tuple[Tensor, ...], ...] | None = None
     cache: KVCache | None = None
 
 
@@ -95,7 +99,11 @@ def generate(
         fill = (cfg.pad_token_id or cfg.eos_ids[0]) if cfg.eos_ids else -1
     out = prompt.ids.new_full((N, prompt.n_ids + prompt.n_new), fill)  # prompt ids + every new token
     out[:, : prompt.n_ids] = prompt.ids
-    dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past)
+    # each forward's attention weights / hidden states, kept when the returned dict carries them
+    inside = {key: [] for key, wanted in (("attentions", cfg.output_attentions),
+                                          ("hidden_states", cfg.output_hidden_states))
+              if wanted and cfg.return_dict_in_generate}
+    dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past, inside)
     chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding)
     stops = _stopping(cfg, tokenizer, stopping_criteria or [])
     record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
@@ -113,6 +121,7 @@ def generate(
                 logits=tuple(record["logits"]) if cfg.output_logits else None,
                 beam_indices=origin,
                 cache=dec.cache,
+                **_per_step(inside, sequences.size(1) - prompt.n_ids),
             )
     if assisted:
         from .assisted import assisted_search, draft_from_assistant, draft_from_prompt
@@ -134,7 +143,14 @@ def generate(
         scores=tuple(record["scores"]) if cfg.output_scores else None,
         logits=tuple(record["logits"]) if cfg.output_logits else None,
         cache=dec.cache,
+        **_per_step(inside, n_new),
     )
+
+
+def _per_step(inside: dict[str, list], n_new: int) -> dict[str, tuple]:
+    """The attentions / hidden states of the forwards that chose the n_new tokens, one tuple (per
+    layer) a token, as transformers returns them."""
+    return {key: tuple(steps[:n_new]) for key, steps in inside.items()}
 
 
 def compute_transition_scores(sequences: Tensor, scores: tuple[Tensor, ...], beam_indices: Tensor | None = None,

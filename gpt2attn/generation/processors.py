@@ -106,6 +106,12 @@ def typical_p(scores: Tensor, mass: float, min_keep: int = 1) -> Tensor:
     return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
 
 
+def finite(scores: Tensor) -> Tensor:
+    """nan -> 0, +inf -> the dtype's largest value, -inf -> its lowest (remove_invalid_values)."""
+    info = torch.finfo(scores.dtype)
+    return torch.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
+
+
 def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tensor | None = None) -> list[Processor]:
     """The processors cfg asks for, in transformers' order.
 
@@ -132,6 +138,8 @@ def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tens
     if len(eos) and cfg.min_new_tokens:
         n = prompt_len + cfg.min_new_tokens
         chain.append(lambda ids, s: suppress(s, eos.to(s.device)) if ids.size(1) < n else s)
+    if cfg.remove_invalid_values:
+        chain.append(lambda ids, s: finite(s))
     if cfg.do_sample:
         # Beams keep at least one token besides eos, so a beam can always go on.
         keep = len(cfg.eos_ids) + 1 if cfg.num_beams > 1 and cfg.eos_ids else 2 if cfg.num_beams > 1 else 1

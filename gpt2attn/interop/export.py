@@ -87,7 +87,7 @@ def example_inputs(model: GPT2LMHeadModel, kind: str, batch: int = 2, seq: int =
     if kind != "decode":
         return (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),)
     ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
-    shape = (batch, cfg.n_head, past, cfg.head_dim)
+    shape = (batch, cfg.n_head, past, cfg.n_embd // cfg.n_head)
     return (ids, *(torch.randn(shape, generator=g).to(p) for _ in range(2 * cfg.n_layer)))
 
 
