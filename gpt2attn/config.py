@@ -253,9 +253,9 @@ class GPT2Config:
         default = GPT2Config().to_dict()
         return {k: v for k, v in self.to_dict().items() if k == "model_type" or k not in default or default[k] != v}
 
-    def update(self, values: dict[str, Any]) -> None:
-        """Set each key of `values` (fields, aliases or extra keys), then check the result."""
-        for key, value in values.items():
+    def update(self, config_dict: dict[str, Any]) -> None:
+        """Set each key of config_dict (fields, aliases or extra keys), then check the result."""
+        for key, value in config_dict.items():
             self._set(ALIASES.get(key, key), value)
         self.validate()
 

@@ -209,7 +209,12 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutput | tuple:
         """logits_to_keep, as in transformers: an int N computes the logits of the last N positions
         only (0: all of them), a 1-D tensor those of the positions it lists, a 2-D one per row
-        (integer: positions (B, K); bool (B, T): the True positions, flattened to (K, V))."""
+        (integer: positions (B, K); bool (B, T): the True positions, flattened to (K, V)).
+        shift_labels (B, T), a keyword: targets already aligned with the logits (position t's target at
+        t), as sequence-parallel trainers pass them; the loss then uses them instead of shifting
+        labels. (A keyword, not a parameter, as in transformers: Trainer takes every parameter whose
+        name holds "label" for a label column the batch must carry.)"""
+        shift_labels = kwargs.pop("shift_labels", None)
         check_forward_kwargs(kwargs)
         out = self.transformer(
             input_ids,
@@ -228,7 +233,9 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         )
         logits = self.lm_head(kept_positions(out.last_hidden_state, logits_to_keep))  # (B, T, vocab), T as kept
         loss = None
-        if labels is not None:
+        if shift_labels is not None:
+            loss = lm_loss(logits, shift_labels, self.config.vocab_size, num_items_in_batch, shifted=True)
+        elif labels is not None:
             loss = lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch)
         out = CausalLMOutput(loss, logits, out.cache, out.hidden_states, out.attentions, out.cross_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -266,8 +273,10 @@ def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
             raise TypeError(f"forward() got an unexpected keyword argument {key!r}")
 
 
-def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: int | Tensor | None = None) -> Tensor:
-    """Next-token cross-entropy: position t predicts labels[t+1]; label -100 is ignored.
+def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: int | Tensor | None = None,
+            shifted: bool = False) -> Tensor:
+    """Next-token cross-entropy: position t predicts labels[t+1] (labels[t] when they come
+    `shifted` already); label -100 is ignored.
 
     num_items_in_batch (transformers' Trainer passes it): divide the summed loss by this count
     instead of averaging, so gradient accumulation weighs every token alike, as transformers does."""
@@ -278,8 +287,8 @@ def lm_loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch:
         bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
         if bad.any():
             raise ValueError(f"labels hold {labels[bad][0].item()}: labels must be -100 or in [0, {vocab_size})")
-    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[:, 1:].reshape(-1)
+    shift_logits = (logits if shifted else logits[:, :-1]).reshape(-1, logits.size(-1)).float()
+    shift_labels = (labels if shifted else labels[:, 1:]).reshape(-1)
     if num_items_in_batch is None:
         return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum") / num_items_in_batch

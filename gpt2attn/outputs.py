@@ -75,6 +75,9 @@ class ModelOutput(OrderedDict):
         """The field's name before transformers 5.24 (now `cache`), kept for code that uses it."""
         return self.cache
 
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__("cache" if key == "past_key_values" else key)
+
     def __delitem__(self, key: str) -> None:
         raise TypeError(f"fields of {type(self).__name__} cannot be deleted; set them to None")
 

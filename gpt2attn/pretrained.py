@@ -32,6 +32,8 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_save = None  # read by transformers.Trainer when it resumes from a checkpoint
+    _keys_to_ignore_on_load_missing = None  # (transformers' loader) no weight may be missing silently
+    _keys_to_ignore_on_load_unexpected = None
     model_tags: list[str] | None = None  # the hub's tags for this model (TRL's trainers add theirs)
     input_modalities = "text"
     generation_config_class = GenerationConfig  # what generate() and generation_config take
@@ -125,9 +127,10 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         return cls._from_config(config, **kwargs)
 
     def post_init(self) -> None:
-        """transformers' last step of a model's __init__: weights initialised, heads tied. Here
-        each class's __init__ does both; calling this again re-initialises every weight."""
-        self.init_weights()
+        """transformers' last step of a model's __init__. Each class's __init__ here has already
+        initialised its weights, so this only ties the head to wte (when the config ties them):
+        calling it again, as code written for transformers does, keeps every trained weight."""
+        self.tie_weights()
 
     def init_weights(self) -> None:
         """Draw every weight afresh (transformers' init: N(0, initializer_range), scaled c_proj,
@@ -225,7 +228,9 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
             raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
         if pad_to_multiple_of is not None:
             if not is_int(pad_to_multiple_of) or pad_to_multiple_of < 1:
-                raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+                # transformers' wording (its tests match it): "... which is not and integer"
+                raise ValueError(f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is "
+                                 f"not and integer. Please make sure to pass an integer (pad_to_multiple_of >= 1)")
             n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
         head = self.get_output_embeddings()
         w = wte.weight

@@ -36,7 +36,7 @@ CASES = [
     ("float ids", dict(input_ids=torch.tensor([[1.0, 2.0]])), ValueError, "input_ids must be an integer tensor"),
     ("ids out of vocab", dict(input_ids=torch.tensor([[1, 200]])), ValueError, "input_ids hold 200, outside [0, 97)"),
     ("ids not a tensor", dict(input_ids=[[1, 2]]), TypeError, "input_ids must be a torch.Tensor, got list"),
-    ("no prompt", dict(input_ids=None), ValueError, "needs input_ids or inputs_embeds"),
+    ("no prompt, no bos", dict(input_ids=None, bos_token_id=None), ValueError, "needs input_ids or inputs_embeds"),
     ("embeds width", dict(input_ids=None, inputs_embeds=torch.zeros(1, 3, 5)), ValueError, "inputs_embeds must be a tensor [B, T, n_embd=32]"),
     ("token types shape", dict(token_type_ids=torch.zeros(1, 2, dtype=torch.long)), ValueError, "token_type_ids must have the shape of the prompt"),
 ]

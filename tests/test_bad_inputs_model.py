@@ -162,7 +162,7 @@ CONFIG_CASES = [
     ("unknown problem type", {"problem_type": "multi"}, ValueError, "GPT2Config.problem_type must be None or one of regression"),
     ("label ids that are not numbers", {"id2label": {"a": "x"}}, ValueError, "GPT2Config.id2label keys must be integer ids, got ['a']"),
     ("labels as a list", {"id2label": ["x", "y"]}, ValueError, "GPT2Config.id2label must be a non-empty dict"),
-    ("label2id with string ids", {"label2id": {"x": "0"}}, ValueError, "GPT2Config.label2id must be a dict of {label name: integer id}"),
+    ("label2id not a dict", {"label2id": ["x"]}, ValueError, "GPT2Config.label2id must be a dict of {label name: id}"),
     ("zero labels", {"num_labels": 0}, ValueError, "GPT2Config.num_labels must be a positive integer, got 0"),
     ("num_labels against id2label", {"num_labels": 3, "id2label": {0: "a", 1: "b"}}, ValueError, "num_labels=3 disagrees with id2label, which has 2 labels"),
     ("architectures as a string", {"architectures": "GPT2LMHeadModel"}, ValueError, "GPT2Config.architectures must be a list of class names or None"),
@@ -206,7 +206,7 @@ def test_config_changed_after_construction_is_checked_by_the_model():
     config.layer_norm_epsilon = 0.0  # would make every logit NaN
     with pytest.raises(ValueError, match="GPT2Config.layer_norm_epsilon must be a positive number, got 0.0"):
         GPT2LMHeadModel(config)
-    with pytest.raises(TypeError, match="config must be a gpt2attn GPT2Config, got dict"):
+    with pytest.raises(TypeError, match="dict is not a GPT-2 config: it has no vocab_size, n_positions, n_embd"):
         GPT2Model({"n_layer": 2})
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,6 +43,8 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     bad_words_ids: list[list[int]] | None = None
+    forced_eos_token_id: int | list[int] | None = None  # forced as the last token a row can have
+    encoder_no_repeat_ngram_size: int = 0  # encoder-decoder models only: must stay 0 for GPT-2
     # special tokens
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -118,9 +121,9 @@ class GenerationConfig:
 
     @property
     def eos_ids(self) -> list[int]:
-        """eos_token_id as a list ([] when unset)."""
+        """eos_token_id as a list ([] when unset); a negative id, which never occurs, left out."""
         eos = self.eos_token_id
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return [t for t in ([] if eos is None else [eos] if isinstance(eos, int) else eos) if t >= 0]
 
     def check(self, vocab_size: int, keywords: Iterable[str] = ()) -> None:
         """Raise ValueError naming the first setting out of range.
@@ -133,6 +136,13 @@ class GenerationConfig:
         _int_at_least("num_return_sequences", self.num_return_sequences, 1)
         _int_at_least("min_length", self.min_length, 0)
         _int_at_least("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
+        if self.encoder_no_repeat_ngram_size != 0:
+            raise ValueError(f"encoder_no_repeat_ngram_size={self.encoder_no_repeat_ngram_size!r}: GPT-2 has no encoder "
+                             f"whose n-grams could be banned; leave it 0")
+        forced = self.forced_eos_token_id
+        if forced is not None and not all(_int(t) and 0 <= t < vocab_size
+                                           for t in ([forced] if not isinstance(forced, (list, tuple)) else forced or [-1])):
+            raise ValueError(f"forced_eos_token_id must be a token id in [0, {vocab_size}) or a list of them, got {forced!r}")
         _int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1)
         if self.max_new_tokens is not None:
             _int_at_least("max_new_tokens", self.max_new_tokens, 1)
@@ -172,16 +182,22 @@ class GenerationConfig:
         def id_range(name: str) -> tuple[float, str]:
             return (vocab_size, f"in [0, {vocab_size})") if name in keywords else (math.inf, ">= 0")
 
-        for name in ("bos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            end, where = id_range(name)
-            if value is not None and (not _int(value) or not 0 <= value < end):
-                raise ValueError(f"{name} must be a token id {where}, got {value!r}")
+        # A negative eos or pad id is transformers' way to say "none": no token ever equals it, so
+        # generation runs to its length (and a -1 pad fills rows that never finish, i.e. none).
+        end, where = id_range("bos_token_id")
+        if self.bos_token_id is not None and (not _int(self.bos_token_id) or not 0 <= self.bos_token_id < end):
+            raise ValueError(f"bos_token_id must be a token id {where}, got {self.bos_token_id!r}")
+        end, where = id_range("pad_token_id")
+        if self.pad_token_id is not None and (not _int(self.pad_token_id) or not self.pad_token_id < end):
+            raise ValueError(f"pad_token_id must be a token id {where} (or negative: none), got {self.pad_token_id!r}")
         eos = self.eos_token_id
         eos_list = [eos] if not isinstance(eos, (list, tuple)) and eos is not None else list(eos or [])
         end, where = id_range("eos_token_id")
-        if any(not _int(t) or not 0 <= t < end for t in eos_list) or isinstance(eos, (list, tuple)) and not eos:
-            raise ValueError(f"eos_token_id must be a token id {where} or a non-empty list of them, got {eos!r}")
+        if any(not _int(t) or not t < end for t in eos_list) or isinstance(eos, (list, tuple)) and not eos:
+            raise ValueError(f"eos_token_id must be a token id {where} (or negative: never stop) or a non-empty "
+                             f"list of them, got {eos!r}")
+        if any(t < 0 for t in eos_list):
+            warnings.warn(f"eos_token_id={eos!r}: a negative id never occurs, so generation stops only at its length")
         if self.bad_words_ids is not None:
             bad = self.bad_words_ids
             if not isinstance(bad, (list, tuple)) or not bad or any(

@@ -16,9 +16,11 @@ from ..decode_step import DecodeStep, unfused_reason
 
 class Decoder:
     def __init__(self, model, rows: int, capacity: int, device, mask: Tensor | None = None,
-                 token_type_ids: Tensor | None = None, past: KVCache | None = None, record: dict | None = None):
+                 token_type_ids: Tensor | None = None, past: KVCache | None = None, record: dict | None = None,
+                 positions: Tensor | None = None):
         """record: {"attentions": [], "hidden_states": []} (either key) to collect, per forward,
-        the per-layer attention weights / hidden states generate() returns."""
+        the per-layer attention weights / hidden states generate() returns. positions (N, T): the
+        prompt's position ids, when the caller gives them (later tokens count on from the last)."""
         cfg = model.config
         self.model = model
         self.cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head, model.dtype, device)
@@ -33,11 +35,13 @@ class Decoder:
         self.record = record or {}
         fused = token_type_ids is None and not self.record and unfused_reason(model) is None
         self.step = DecodeStep(model) if fused else None
-        self.mask = None
+        self.mask = self.positions = None
         if mask is not None and not bool(mask.all()):
             self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
             self.mask[:, : mask.size(1)] = mask
             self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (N, T_mask), as transformers
+        if positions is not None:
+            self.positions = positions
 
     @property
     def length(self) -> int:
@@ -48,12 +52,14 @@ class Decoder:
         """Run ids (N, k) (or embeds (N, k, C)) after the cache; float32 logits of the last
         position (N, V), or of every position (N, k, V) with all_positions."""
         k = (ids if ids is not None else embeds).size(1)
-        if self.step is not None and ids is not None and self.mask is None and self.step.usable(ids, self.cache):
+        plain = self.mask is None and self.positions is None
+        if self.step is not None and ids is not None and plain and self.step.usable(ids, self.cache):
             logits = self.step(ids, self.cache)  # (N, V)
             return logits[:, None] if all_positions else logits
         kwargs = {}
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, : self.length + k]
+        if self.positions is not None:
             kwargs["position_ids"] = self._positions(k)
         if self.token_type_ids is not None:
             if self.token_type_ids.size(1) == k:

@@ -56,6 +56,7 @@ def generate(
     generation_config: GenerationConfig | None = None,
     attention_mask: Tensor | None = None,
     token_type_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
     inputs_embeds: Tensor | None = None,
     cache: Any = None,
     generator: torch.Generator | None = None,
@@ -80,7 +81,7 @@ def generate(
     cfg.check(mcfg.vocab_size, keywords=kwargs)
     if cfg.pad_token_id is None and cfg.eos_ids:
         cfg.pad_token_id = cfg.eos_ids[0]  # as transformers does for open-ended generation
-    prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, cache)
+    prompt = _Prompt(model, cfg, input_ids, attention_mask, token_type_ids, inputs_embeds, cache, position_ids)
     if stream and cfg.num_beams > 1:
         raise ValueError("stream=True works with greedy decoding and sampling, not with beam search (num_beams > 1)")
     if cfg.stop_strings is not None and tokenizer is None:
@@ -103,8 +104,9 @@ def generate(
     inside = {key: [] for key, wanted in (("attentions", cfg.output_attentions),
                                           ("hidden_states", cfg.output_hidden_states))
               if wanted and cfg.return_dict_in_generate}
-    dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past, inside)
-    chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding)
+    dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past, inside,
+                  prompt.positions)
+    chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding, prompt.n_ids + prompt.n_new)
     stops = _stopping(cfg, tokenizer, stopping_criteria or [])
     record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
 
@@ -174,10 +176,12 @@ def compute_transition_scores(sequences: Tensor, scores: tuple[Tensor, ...], bea
 class _Prompt:
     """The checked prompt: ids and/or embeddings, mask, token types, a cache to continue, lengths."""
 
-    def __init__(self, model, cfg: GenerationConfig, ids, mask, token_types, embeds, past):
+    def __init__(self, model, cfg: GenerationConfig, ids, mask, token_types, embeds, past, positions=None):
         mcfg = model.config
-        if ids is None and embeds is None:
-            raise ValueError("generate() needs input_ids or inputs_embeds")
+        if ids is None and embeds is None:  # transformers starts a single row from bos
+            if cfg.bos_token_id is None:
+                raise ValueError("generate() needs input_ids or inputs_embeds (or a bos_token_id to start from)")
+            ids = torch.full((1, 1), cfg.bos_token_id, dtype=torch.long, device=model.device)
         if ids is not None:
             if not isinstance(ids, Tensor):
                 raise TypeError(f"input_ids must be a torch.Tensor, got {type(ids).__name__}")
@@ -233,6 +237,11 @@ class _Prompt:
                 raise ValueError(f"token_type_ids must have the shape of the prompt, got "
                                  f"{tuple(token_types.shape) if isinstance(token_types, Tensor) else token_types!r}")
             token_types = token_types[:, past_len:] if embeds is None else token_types
+        if positions is not None:
+            if not isinstance(positions, Tensor) or tuple(positions.shape) not in ((B, T_all), (1, T_all)):
+                raise ValueError(f"position_ids must be ({B}, {T_all}): one per cached and prompt token, got "
+                                 f"{tuple(positions.shape) if isinstance(positions, Tensor) else positions!r}")
+            positions = positions.long().expand(B, T_all)
 
         if cfg.max_new_tokens is not None:
             n_new = cfg.max_new_tokens
@@ -256,7 +265,7 @@ class _Prompt:
             warnings.warn("right-padding was detected in attention_mask: decoder-only models need left padding "
                           "for correct results (pad on the left)", stacklevel=3)
         self.ids, self.fed_ids, self.embeds, self.mask = ids, fed, embeds, mask
-        self.token_type_ids, self.past = token_types, past_cache
+        self.token_type_ids, self.past, self.positions = token_types, past_cache, positions
         self.batch, self.n_ids, self.n_new, self.capacity = B, ids.size(1), n_new, capacity
         # left padding of the prompt ids (the repetition penalty skips it), as transformers finds it
         self.padding = None
@@ -271,6 +280,7 @@ class _Prompt:
         rep = lambda t: None if t is None else t.repeat_interleave(copies, dim=0)  # noqa: E731
         self.ids, self.fed_ids, self.embeds = rep(self.ids), rep(self.fed_ids), rep(self.embeds)
         self.mask, self.token_type_ids, self.padding = rep(self.mask), rep(self.token_type_ids), rep(self.padding)
+        self.positions = rep(self.positions)
 
 
 def _check_mask(mask: Any, B: int, T: int) -> Tensor:

@@ -106,17 +106,26 @@ def typical_p(scores: Tensor, mass: float, min_keep: int = 1) -> Tensor:
     return scores.masked_fill(drop.scatter(1, order, drop), NEG_INF)
 
 
+def only(scores: Tensor, tokens: Tensor) -> Tensor:
+    """Every token but tokens [K] banned, those scored 0 (forced_eos_token_id at the last step)."""
+    allowed = torch.zeros(scores.size(-1), dtype=torch.bool, device=scores.device)
+    allowed[tokens] = True
+    return torch.zeros_like(scores).masked_fill(~allowed, NEG_INF)
+
+
 def finite(scores: Tensor) -> Tensor:
     """nan -> 0, +inf -> the dtype's largest value, -inf -> its lowest (remove_invalid_values)."""
     info = torch.finfo(scores.dtype)
     return torch.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
 
 
-def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tensor | None = None) -> list[Processor]:
+def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tensor | None = None,
+                     max_len: int | None = None) -> list[Processor]:
     """The processors cfg asks for, in transformers' order.
 
     prompt_len: ids before the first new token (min_new_tokens counts from there).
     prompt_padding [N, prompt_len] (bool): left padding, not counted by the repetition penalty.
+    max_len: the longest a row can grow (forced_eos_token_id is forced as its last token).
     """
     eos = torch.tensor([t for t in cfg.eos_ids if t < vocab_size], dtype=torch.long)  # an id beyond never occurs
     chain: list[Processor] = []
@@ -138,6 +147,10 @@ def build_processors(cfg, prompt_len: int, vocab_size: int, prompt_padding: Tens
     if len(eos) and cfg.min_new_tokens:
         n = prompt_len + cfg.min_new_tokens
         chain.append(lambda ids, s: suppress(s, eos.to(s.device)) if ids.size(1) < n else s)
+    if cfg.forced_eos_token_id is not None and max_len is not None:
+        forced = cfg.forced_eos_token_id
+        forced = torch.tensor([forced] if isinstance(forced, int) else list(forced), dtype=torch.long)
+        chain.append(lambda ids, s: only(s, forced.to(s.device)) if ids.size(1) == max_len - 1 else s)
     if cfg.remove_invalid_values:
         chain.append(lambda ids, s: finite(s))
     if cfg.do_sample:
