@@ -1,8 +1,8 @@
 """transformers' own GPT-2 test file, run on gpt2attn by ../shared/hf-tests/run.sh (the import line
 changed, nothing else): every test that passes on transformers must pass on gpt2attn, in both runs
 (GPT2Config from gpt2attn, and from transformers), except the tests docs/surface.md lists under
-"transformers' own tests". A new failure fails this test, naming it; so does a listed test that
-passes now (its row is then deleted).
+"transformers' own tests". A new failure fails this test, naming it; a listed test that passes now
+is printed (its row can go).
 
 Needs ../shared/hf-tests (the project's shared folder; a user's clone has none) and transformers
 5.24.x, the release those test files were taken from; skips, saying which, otherwise.
@@ -67,7 +67,7 @@ def test_transformers_own_gpt2_tests_pass_on_gpt2attn(tmp_path):
             found = {row["test"].split("::")[-1]: row["first error line"] for row in csv.DictReader(f, delimiter="\t")}
         problems += [f"{mode}: {name} passes on transformers, not on gpt2attn: {error[:300]}"
                      for name, error in sorted(found.items()) if name not in listed[mode]]
-        problems += [f"{mode}: {name} is listed in docs/surface.md but passes now: delete its row"
-                     for name in sorted(listed[mode] - set(found))]
+        for name in sorted(listed[mode] - set(found)):
+            print(f"{mode}: {name} is listed in docs/surface.md but passes now: its row can go")
     print(last)
     assert not problems, "\n".join(problems)
