@@ -14,7 +14,7 @@ before ours runs, so its spinning threads never meet torch's), then ours: greedy
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
 steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
 each PREFILL length keeping the last position's logits (as generate's first step); then the read
-rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum, each thread
+rate: one pass over a buffer of the fp32 weights' size (bench_common.read_sum, each thread
 reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line
+from bench_common import machine_line, read_sum
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.formats import gguf
@@ -167,9 +167,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
             for length in lengths:
                 x = torch.randn(length, cfg.n_embd)
                 gemm_floor[length].append(length / best_of(lambda: blocks_products(x), 2))
-            t_ours = best_of(lambda: kernels.read_sum(buffer), 5)
+            t_ours = best_of(lambda: read_sum(buffer), 5)
             t_torch = best_of(lambda: buffer.sum(), 5)
-            t_one = best_of(lambda: kernels.read_sum(buffer, streams=1), 5)
+            t_one = best_of(lambda: read_sum(buffer, streams=1), 5)
             read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch, t_one))
             one_stream_rates.append(buffer.numel() * 4 / t_one)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
