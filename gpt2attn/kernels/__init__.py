@@ -193,7 +193,7 @@ def build(sources: list[Path], build_flags: list[str], notes: list[str]) -> Path
         try:
             if _digest(path) == path.stem.removeprefix(prefix):
                 return path
-            notes.append(f"the cached library {path} was damaged; rebuilt it")
+            notes.append(f"the cached library {path} was damaged; building it afresh")
             path.unlink()
         except OSError:
             pass
