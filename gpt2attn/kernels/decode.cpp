@@ -16,8 +16,11 @@
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 //
 // Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count).
-// Work goes out in chunks and spans taken in turn (schedule(dynamic)), so a thread the OS holds
-// back on a busy machine delays a product by one chunk, not by its whole share.
+// A rows product hands its spans out in turn (schedule(dynamic)), so a thread the OS holds back on
+// a busy machine delays it by one span, not by its whole share: each row's sum is one thread's,
+// the same whichever thread takes it. A cols product gives each thread an equal run of chunks
+// (schedule(static)): its partial sums then hold the same chunks on every run, so a step's
+// results do not change from run to run (taken in turn, they changed in the last bits).
 //
 // gpt2attn_product runs one product in its own parallel region (the modules' path);
 // gpt2attn_decode_step runs every product of a step inside one region, no Python between layers:
@@ -193,7 +196,7 @@ struct Products {
         const float* w = (const float*)W.weight;
         float* mine = partial.data() + omp_get_thread_num() * B * max_cols_n;  // (B, N) of this thread
         memset(mine, 0, B * N * sizeof(float));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (int64_t c = 0; c < (K + KCHUNK - 1) / KCHUNK; c++) {
             const int64_t k1 = (c + 1) * KCHUNK < K ? (c + 1) * KCHUNK : K;
             int64_t k = c * KCHUNK;
