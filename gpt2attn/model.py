@@ -20,32 +20,9 @@ from .attention import causal_mask
 from .cache import KVCache, as_cache, takes_past_key_values, write_back
 from .config import GPT2Config, is_int
 from .generation import GenerationMixin
-from .layers import Block, encoder_attention, init_weights, padding_mask
+from .layers import Block, LMHead, encoder_attention, init_weights, padding_mask
 from .outputs import BaseModelOutput, CausalLMOutput
 from .pretrained import GPT2PreTrainedModel
-
-
-class LMHead(nn.Linear):
-    """The vocabulary projection, nn.Linear(n_embd, vocab_size, bias=False).
-
-    For inference on the CPU, MKL computes the same products up to 2x faster with the vocabulary
-    as the long side, weight (V, C) @ hiddenᵀ (C, N), than as hidden @ weightᵀ. So without
-    autograd the logits are built from vocabulary slices small enough to stay in cache while each
-    is transposed into place. Training and other devices use nn.Linear as it is.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        autograd = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        rows, vocab = x.numel() // x.size(-1), self.weight.size(0)
-        if autograd or x.device.type != "cpu" or rows < 2 or vocab < 8192:
-            return super().forward(x)
-        h = x.reshape(rows, x.size(-1))  # (N, C)
-        out = h.new_empty(rows, vocab)  # (N, V)
-        step = min(4096, max(256, 2**18 // rows))  # a (step, N) slice is about 1 MB of floats
-        for start in range(0, vocab, step):
-            w = self.weight[start : start + step]  # (S, C)
-            out[:, start : start + w.size(0)] = torch.mm(w, h.t()).t()
-        return out.view(*x.shape[:-1], vocab)
 
 
 class GPT2Model(GPT2PreTrainedModel):

@@ -13,17 +13,18 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
-fp32. Each layer takes, per call:
-  - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' matrix-vector
-    products, which read each weight once on all of torch's threads (fp32 in the layer's own
-    layout, Conv1D's (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows, read
-    by dot products; int8 with the input quantized per step in blocks of 32 values, as
-    llama.cpp's q8_0);
+fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per token
+(gpt2attn.decode_step); a forward of the modules takes, in each layer, per call:
+  - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' products, which
+    read each weight once on all of torch's threads (fp32 in the layer's own layout, Conv1D's
+    (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows; int8 with the input
+    quantized per call in blocks of 32 values, as llama.cpp's q8_0). Where the kernels cannot run
+    (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
+    quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
     weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small).
-Where the kernels cannot run (see gpt2attn.kernels) every product takes its plain-torch reference.
 Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels as K
+from . import kernels as cpu_kernels
 from .layers import Conv1D
 
 MODES = ("fp32", "fp16", "bf16", "int8")
@@ -65,15 +66,18 @@ class CpuLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)  # (N, in)
         few = x2.size(0) <= DECODE_ROWS and not torch.compiler.is_compiling()
-        y = self.decode(x2) if few and self._kernel_ok(x2) else self.prefill(x2)  # (N, out)
+        y = self.decode(x2) if few and self._decodes(x2) else self.prefill(x2)  # (N, out)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _kernel_ok(self, x: Tensor) -> bool:
-        return x.dtype == torch.float32 and x.device.type == "cpu" and K.available()
+    def _decodes(self, x: Tensor) -> bool:
+        """Whether `decode` takes x: the kernel's product, or its plain-torch reference where the
+        kernels cannot run (the same sums either way)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu"
 
     @property
     def kernel(self) -> str:
-        return f"decode: {self.decode_kernel if K.available() else 'plain torch'}; prefill: {self.prefill_kernel}"
+        decode = self.decode_kernel if cpu_kernels.available() else f"plain torch ({self.decode_reference})"
+        return f"decode: {decode}; prefill: {self.prefill_kernel}"
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
@@ -83,18 +87,19 @@ class Float32Linear(CpuLinear):
     """The layer's own fp32 parameters, shared (not copied): state_dict and ties stay as they were."""
 
     prefill_kernel = "torch (MKL) fp32"
+    decode_reference = "torch fp32"
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, conv: bool):
         super().__init__(*(weight.shape if conv else weight.shape[::-1]), conv)
         self.weight, self.bias = weight, bias
         self.decode_kernel = f"gpt2attn fp32 {'cols' if conv else 'rows'}"
 
-    def _kernel_ok(self, x: Tensor) -> bool:  # with gradients wanted, only autograd's path will do
+    def _decodes(self, x: Tensor) -> bool:  # with gradients wanted, only autograd's path will do
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        return not wants_grad and self.weight.dtype == torch.float32 and super()._kernel_ok(x)
+        return not wants_grad and self.weight.dtype == torch.float32 and super()._decodes(x)
 
     def decode(self, x: Tensor) -> Tensor:  # the kernels read raw memory: no autograd to detach from
-        return (K.cols if self.conv else K.rows)(x, self.weight, self.bias)
+        return (cpu_kernels.cols if self.conv else cpu_kernels.rows)(x, self.weight, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
         if self.conv:
@@ -147,6 +152,7 @@ class HalfLinear(PackedLinear):
     measured no faster for 16-bit decoding); products accumulate in fp32."""
 
     prefill_kernel = "torch (MKL) fp32 on the widened weight"
+    decode_reference = prefill_kernel
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, conv: bool = False,
                  tied: bool = False):
@@ -164,10 +170,10 @@ class HalfLinear(PackedLinear):
         return w.t() if self.conv else w
 
     def decode(self, x: Tensor) -> Tensor:
-        return K.rows(x, self.weight16, self.bias)
+        return cpu_kernels.rows(x, self.weight16, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
-        return K.rows_reference(x, self.weight16, self.bias)
+        return cpu_kernels.rows_reference(x, self.weight16, self.bias)
 
 
 class Int8Linear(PackedLinear):
@@ -178,6 +184,7 @@ class Int8Linear(PackedLinear):
 
     prefill_kernel = "fbgemm dynamic int8 (quantized::linear_dynamic)"
     decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
+    decode_reference = "the int8 rows' reference, input in blocks of 32"
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         weight = weight.t() if self.conv else weight  # (out, in)
@@ -203,11 +210,11 @@ class Int8Linear(PackedLinear):
         w = self.dequantized_weight()
         return w.t() if self.conv else w
 
-    def _kernel_ok(self, x: Tensor) -> bool:
-        return self.in_features % K.BLOCK == 0 and super()._kernel_ok(x)
+    def _decodes(self, x: Tensor) -> bool:
+        return self.in_features % cpu_kernels.BLOCK == 0 and super()._decodes(x)
 
     def decode(self, x: Tensor) -> Tensor:
-        return K.rows_q8(x, self.weight8, self.scale, self.bias)
+        return cpu_kernels.rows_q8(x, self.weight8, self.scale, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
@@ -225,7 +232,7 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
     if mode == "int8" and torch.backends.quantized.engine == "none":
         raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
-    K.library()  # build the kernels now (or warn once that plain torch will do)
+    cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     for name, module in list(model.named_modules()):
         conv = isinstance(module, Conv1D)
@@ -239,7 +246,7 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         else:
             layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer)
+        setattr(model.get_submodule(parent_name), child, layer.train(module.training))
     return model
 
 

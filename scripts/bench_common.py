@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import functools
 import json
 import os
 import platform
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from gpt2attn import kernels
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
@@ -64,6 +68,29 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _read_rate_library() -> ctypes.CDLL | None:
+    """scripts/read_rate.cpp, built with the kernels' flags into their cache; None where the
+    kernels cannot be built here."""
+    if not kernels.available():
+        return None
+    lib = ctypes.CDLL(str(kernels.build([Path(__file__).with_name("read_rate.cpp")], kernels.FLAGS, [])))
+    lib.read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.read_sum.restype = ctypes.c_float
+    return lib
+
+
+def read_sum(x: torch.Tensor, streams: int = 8) -> float:
+    """The sum of a contiguous fp32 tensor, read once on all of torch's threads, each thread's share
+    as `streams` runs read in step (how fast this machine reads memory: the decoding benchmarks'
+    limit); torch's sum where the kernels cannot be built."""
+    lib = _read_rate_library()
+    if lib is None:
+        return x.sum().item()
+    assert x.dtype == torch.float32 and x.is_contiguous() and streams >= 1
+    return lib.read_sum(x.data_ptr(), x.numel(), torch.get_num_threads(), streams)
 
 
 def machine_line() -> str:

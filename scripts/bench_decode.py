@@ -1,20 +1,21 @@
 """CPU decoding and prefill, ours vs llama.cpp on the same weights, against the machine's read rate.
 
     python scripts/bench.py decode --llama-cpp PATH/TO/llama-bench [--rounds 5] [--threads 2]
-                                   [--prompt 32] [--new 64] [--prefill 128,512] [--only fp32,fp16,bf16,int8]
+                                   [--prompt 32] [--new 64] [--prefill 128,512] [--only plain,fp32,fp16,bf16,int8]
 
 (`python scripts/bench.py generate --llama-cpp PATH` is the same.)
 
-gpt2-small shapes, random weights (seed 0), eval. Each precision of ours (`model.quantize(mode)`)
-is paired with a GGUF file of the same weights written by gpt2attn.formats.gguf (with a synthetic
-byte-level BPE vocabulary of 50257 tokens, which llama.cpp needs to load a file):
-fp32 ~ f32, fp16 ~ f16, bf16 ~ bf16, int8 ~ q8_0. In every round, for every precision in turn:
-llama.cpp's llama-bench (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
+gpt2-small shapes, random weights (seed 0), eval. The plain model as loaded (`plain`: no
+quantize() call) and each precision of ours (`model.quantize(mode)`) is paired with a GGUF file of
+the same weights written by gpt2attn.formats.gguf (with a synthetic byte-level BPE vocabulary of
+50257 tokens, which llama.cpp needs to load a file): plain ~ f32, fp32 ~ f32, fp16 ~ f16, bf16 ~
+bf16, int8 ~ q8_0. In every round, for every precision in turn: llama.cpp's llama-bench (once a
+round per file: plain and fp32 share the f32 figures) (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
 before ours runs, so its spinning threads never meet torch's), then ours: greedy generate of NEW
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
 steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
 each PREFILL length keeping the last position's logits (as generate's first step); then the read
-rate: one pass over a buffer of the fp32 weights' size (gpt2attn.kernels.read_sum, each thread
+rate: one pass over a buffer of the fp32 weights' size (bench_common.read_sum, each thread
 reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
@@ -35,15 +36,16 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line
+from bench_common import machine_line, read_sum
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.formats import gguf
 
-PAIRS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0"}
+# plain: the fp32 model as loaded, no quantize() call (generate's default path)
+PAIRS = {"plain": "f32", "fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0"}
 # (bytes per weight, bytes per matrix row) read by each: q8_0 holds 32 int8 and one fp16 scale per
 # block, our int8 one fp32 scale per row
-BYTES = {"fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2.0, 0.0), "int8": (1.0, 4.0),
+BYTES = {"plain": (4.0, 0.0), "fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2.0, 0.0), "int8": (1.0, 4.0),
          "f32": (4.0, 0.0), "f16": (2.0, 0.0), "q8_0": (34 / 32, 0.0)}
 
 
@@ -128,7 +130,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     for mode in modes:
         model = GPT2LMHeadModel(cfg).eval()
         model.load_state_dict(state)
-        ours[mode] = model.quantize(mode)
+        ours[mode] = model if mode == "plain" else model.quantize(mode)
         files[mode] = Path(tmp.name) / f"gpt2-{PAIRS[mode]}.gguf"
         gguf.write(files[mode], state, cfg, dtype=PAIRS[mode], tokenizer=tokenizer)
     buffer = torch.randn(int(matrix_bytes(fp32, 4.0)) // 4)
@@ -151,8 +153,11 @@ def run(args) -> tuple[list[dict], list[dict]]:
                                   fp32.generate(prompt, max_new_tokens=args.new, eos_token_id=None))
                 for mode in modes}
         for r in range(args.rounds):
+            llama = {}  # this round's llama-bench figures by format (plain and fp32 share f32's)
             for mode in modes:
-                for key, value in llama_bench(args.llama_cpp, files[mode], args).items():
+                if PAIRS[mode] not in llama:
+                    llama[PAIRS[mode]] = llama_bench(args.llama_cpp, files[mode], args)
+                for key, value in llama[PAIRS[mode]].items():
                     results[(mode, "llama.cpp", key)].append(value)
                 model = ours[mode]
                 model.generate(prompt, max_new_tokens=4, eos_token_id=None)  # warm
@@ -167,9 +172,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
             for length in lengths:
                 x = torch.randn(length, cfg.n_embd)
                 gemm_floor[length].append(length / best_of(lambda: blocks_products(x), 2))
-            t_ours = best_of(lambda: kernels.read_sum(buffer), 5)
+            t_ours = best_of(lambda: read_sum(buffer), 5)
             t_torch = best_of(lambda: buffer.sum(), 5)
-            t_one = best_of(lambda: kernels.read_sum(buffer, streams=1), 5)
+            t_one = best_of(lambda: read_sum(buffer, streams=1), 5)
             read_rates.append(buffer.numel() * 4 / min(t_ours, t_torch, t_one))
             one_stream_rates.append(buffer.numel() * 4 / t_one)
             print(f"round {r + 1}/{args.rounds} done", flush=True)

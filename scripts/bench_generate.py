@@ -11,7 +11,7 @@ forward of the big model (1 means no draft was accepted).
 
 fp32, eval. Prints tokens/s at batch 1 and at --batch, the ratio ours/transformers (above 1 means
 ours is faster), and the memory-bandwidth floor: the time to read a buffer the size of the fp32
-weights once (gpt2attn.kernels.read_sum, several streams a thread, on all threads), the most
+weights once (bench_common.read_sum, several streams a thread, on all threads), the most
 batch-1 tokens/s this machine can decode fp32 weights at (torch's own matrix-vector product over
 the same bytes reads them about half as fast, so it is no floor).
 """
@@ -24,16 +24,16 @@ from unittest import mock
 
 import torch
 import transformers
-from bench_common import interleaved_medians, machine_line, median_seconds
+from bench_common import interleaved_medians, machine_line, median_seconds, read_sum
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
+from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.generation.decoder import Decoder
 
 
 def bandwidth_floor_tokens_per_s(n_params: int) -> float:
     """1 / time to read n_params fp32 values once on all threads: reading every weight, as a decode step must."""
     weights = torch.ones(n_params)
-    return 1.0 / median_seconds(lambda: kernels.read_sum(weights), repeats=20, warmup=3)
+    return 1.0 / median_seconds(lambda: read_sum(weights), repeats=20, warmup=3)
 
 
 def main(argv: list[str]) -> int:

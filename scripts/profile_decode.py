@@ -3,7 +3,7 @@
     python scripts/profile_decode.py [--cache 64] [--repeats 15] [--modes fp32,fp16,bf16,int8] [--profile]
 
 In one process, each timing taken in turns with the others (so machine load hits them alike):
-- read: one pass of gpt2attn.kernels.read_sum over a buffer of the mode's bytes per token (the
+- read: one pass of bench_common.read_sum over a buffer of the mode's bytes per token (the
   time the weights take to read at this machine's rate: the floor of a step);
 - products: every CpuLinear of the model called once on a (1, 1, C) row, as a step calls them
   (the kernels: weight reads plus each call's Python and OpenMP start);
@@ -23,9 +23,9 @@ import argparse
 import time
 
 import torch
-from bench_common import machine_line
+from bench_common import machine_line, read_sum
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
+from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.generation.decoder import Decoder
 from gpt2attn.quantize import CpuLinear
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             buffer = torch.ones(weight_bytes(m) // 4)
             linears = [mod for mod in m.modules() if isinstance(mod, CpuLinear)]
             rows = [torch.randn(1, 1, mod.in_features) for mod in linears]
-            fns[f"{mode} read"] = lambda buffer=buffer: kernels.read_sum(buffer)
+            fns[f"{mode} read"] = lambda buffer=buffer: read_sum(buffer)
             fns[f"{mode} products"] = lambda linears=linears, rows=rows: [mod(x) for mod, x in zip(linears, rows)]
             fns[f"{mode} module step"] = stepper(m, prompt, args.cache, one_call=False)
             fns[f"{mode} step"] = stepper(m, prompt, args.cache)

@@ -34,7 +34,7 @@ ABOUT = {
     "generate": "Decoding speed: greedy, sampling, beams, prompt lookup and assisted decoding against "
                 "transformers' `generate`, with the memory-bandwidth floor (one read of all "
                 "the weights); `--quantize int8` adds the int8 comparison (see [Fast CPU decoding](cpu-decoding.md)).",
-    "decode": "CPU decoding at batch 1 in fp32, fp16, bf16 and int8 (`model.quantize(mode)`) against llama.cpp's "
+    "decode": "CPU decoding at batch 1 of the plain fp32 model as loaded (no quantize() call) and in fp32, fp16, bf16 and int8 (`model.quantize(mode)`) against llama.cpp's "
               "`llama-bench` on the same weights written as GGUF by gpt2attn (f32, f16, bf16, q8_0), alternating "
               "in every round, gpt2-small shapes, random weights, prompt 32, 64 new tokens; prefill at 128 and 512 "
               "tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,17 @@ def shared_data(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent: this test needs the project's shared data (../shared/data/{name})")
     return path
+
+
+@contextmanager
+def num_threads(n: int):
+    """torch (and so the kernels) on n threads inside the block, whatever the environment set."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_config(**overrides) -> GPT2Config:
@@ -144,3 +158,16 @@ def ablation_effects(model, ids: list[int], position: int) -> torch.Tensor:
             with inspect.edit(model, f"h.{layer}.attn.weights", inspect.zero_head(head)):
                 effects[layer, head] = model(x).logits[0, position].log_softmax(-1)[token] - clean[token]
     return effects
+
+
+@lru_cache(maxsize=None)
+def kernel_builds() -> dict[str, object]:
+    """Every build of gpt2attn's CPU kernels this CPU can run, by name ('avx2', 'avx512'), loaded;
+    empty where the kernels cannot run here."""
+    from gpt2attn import kernels
+
+    if not kernels.available():
+        return {}
+    wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= kernels._cpu_flags() else []
+    return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags, []))))
+            for name, flags in zip(("avx2", "avx512"), [kernels.FLAGS] + wide)}

@@ -1,163 +1,125 @@
-"""gpt2attn.kernels (the CPU decoding products) against their plain-torch references, the
-fallback when they cannot be built, and quantize()'s fp32 / fp16 / bf16 modes end to end.
+"""gpt2attn.kernels' products (the CPU decoding kernels) against their plain-torch references, in
+every build this CPU can run, at gpt2-small's shapes and on 2 threads; the references where the
+kernels cannot run; quantize()'s fp32 / fp16 / bf16 / int8 layers end to end.
 
 Where the kernels cannot run on the test machine (no AVX2/FMA/F16C, no compiler), the tests that
-compare a kernel with its reference skip with that reason; the fallback tests run everywhere."""
+compare a kernel with its reference skip with that reason; the fallback tests run everywhere.
+The kernel cache and the environment switches: tests/test_kernel_cache.py."""
 
 import copy
-import ctypes
-import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from gpt2attn import GPT2LMHeadModel
-from gpt2attn import kernels as K
-from gpt2attn.quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear, kernels
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from gpt2attn import GPT2LMHeadModel, kernels
+from gpt2attn.quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
+from gpt2attn.quantize import kernels as layer_kernels
+from helpers import hf_twin, kernel_builds, max_diff, num_threads, randomize, tiny_config
 
-needs_kernels = pytest.mark.skipif(not K.available(), reason="the CPU kernels cannot run on this machine")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels cannot run on this machine")
 G = torch.Generator().manual_seed(0)
+GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
+VOCAB = 50257  # the head's N: more than any block's width
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return max_diff(a, b) / b.abs().max().item()
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.fixture(params=sorted(kernel_builds()) or [pytest.param(None, marks=needs_kernels)])
+def build(request, monkeypatch):
+    """Each build this CPU can run in turn, as kernels.library(), on 2 threads."""
+    lib = kernel_builds()[request.param]
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    with num_threads(2):
+        yield request.param
+
+
 @pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])
-@pytest.mark.parametrize("K_, N", [(64, 96), (100, 37), (40, 21), (768, 2304)])  # (100, 37), (40, 21): loops' tails
-def test_cols_and_rows_match_their_references(dtype, B, K_, N):
-    x, w, bias = torch.randn(B, K_, generator=G), torch.randn(K_, N, generator=G).to(dtype), torch.randn(N, generator=G)
-    assert relative(K.cols(x, w, bias), K.cols_reference(x, w, bias)) < 1e-5
-    assert relative(K.cols(x, w, None), K.cols_reference(x, w, None)) < 1e-5
-    wt = w.t().contiguous()  # (N, K)
-    assert relative(K.rows(x, wt, bias), K.rows_reference(x, wt, bias)) < 1e-5
-    assert relative(K.rows(x, wt, None), K.rows_reference(x, wt, None)) < 1e-5
+@pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21)] + GPT2_SMALL)  # (100, 37), (40, 21): loops' tails
+def test_cols_and_rows_match_their_references(build, B, K, N):
+    x, w, bias = torch.randn(B, K, generator=G), torch.randn(K, N, generator=G), torch.randn(N, generator=G)
+    assert relative(kernels.cols(x, w, bias), kernels.cols_reference(x, w, bias)) < 1e-5
+    assert relative(kernels.cols(x, w, None), kernels.cols_reference(x, w, None)) < 1e-5
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        wt = w.t().contiguous().to(dtype)  # (N, K)
+        assert relative(kernels.rows(x, wt, bias), kernels.rows_reference(x, wt, bias)) < 1e-5
+        assert relative(kernels.rows(x, wt, None), kernels.rows_reference(x, wt, None)) < 1e-5
 
 
-@needs_kernels
-def test_quantize_q8_is_exactly_the_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_the_head_at_gpt2_small_shape(build, dtype):
+    x, bias = torch.randn(3, 768, generator=G), torch.randn(VOCAB, generator=G)
+    if dtype == torch.int8:
+        w8, scale = torch.randint(-127, 128, (VOCAB, 768), generator=G, dtype=torch.int8), torch.rand(VOCAB, generator=G)
+        assert relative(kernels.rows_q8(x, w8, scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
+    else:
+        w = (torch.randn(VOCAB, 768, generator=G) * 0.02).to(dtype)
+        assert relative(kernels.rows(x, w, bias), kernels.rows_reference(x, w, bias)) < 1e-5
+
+
+def test_quantize_q8_is_exactly_the_reference(build):
     x = torch.randn(5, 256, generator=G) * torch.logspace(-3, 2, 256)
     x[1, 32:64] = 0  # a block of zeros: scale 0, values 0
-    xq, xs = K.quantize_q8(x)
-    rq, rs = K.quantize_q8_reference(x)
+    xq, xs = kernels.quantize_q8(x)
+    rq, rs = kernels.quantize_q8_reference(x)
     assert torch.equal(xq, rq) and torch.equal(xs, rs)
     assert torch.equal(xs[1, 1], torch.tensor(0.0)) and xq.abs().max() == 127
     assert relative((xq.view(5, -1, 32).float() * xs[..., None]).view(5, 256), x) < 1 / 127
 
 
-@needs_kernels
 @pytest.mark.parametrize("B", [1, 2, 7])
-@pytest.mark.parametrize("K_", [96, 64])  # 3 blocks of 32 (AVX-512 takes two, then one) and 2
-def test_rows_q8_matches_its_reference(B, K_):
-    N = 70  # 70 rows: groups of 4 and a tail
-    x, bias = torch.randn(B, K_, generator=G), torch.randn(N, generator=G)
-    w8 = torch.randint(-127, 128, (N, K_), generator=G, dtype=torch.int8)
+@pytest.mark.parametrize("K, N", [(96, 70), (64, 70)] + GPT2_SMALL)  # 3 blocks of 32 (AVX-512 takes two, then one), 2
+def test_rows_q8_matches_its_reference(build, B, K, N):
+    x, bias = torch.randn(B, K, generator=G), torch.randn(N, generator=G)
+    w8 = torch.randint(-127, 128, (N, K), generator=G, dtype=torch.int8)
     scale = torch.rand(N, generator=G)
-    assert relative(K.rows_q8(x, w8, scale, bias), K.rows_q8_reference(x, w8, scale, bias)) < 1e-5
+    assert relative(kernels.rows_q8(x, w8, scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
     exact = x @ (w8.float() * scale[:, None]).t() + bias  # what int8 input blocks approximate
-    assert relative(K.rows_q8_reference(x, w8, scale, bias), exact) < 0.02
+    assert relative(kernels.rows_q8_reference(x, w8, scale, bias), exact) < 0.02
 
 
-@needs_kernels
-@pytest.mark.parametrize("streams", [1, 3, 8])
-def test_read_sum_sums(streams):
-    x = torch.randn(100_003, generator=G)  # runs of 32 per stream and thread, and what they leave
-    assert abs(K.read_sum(x, streams) - x.double().sum().item()) < 1e-2
+def test_a_matrix_the_kernels_do_not_take_is_refused(build):
+    x = torch.randn(1, 40, generator=G)
+    with pytest.raises(ValueError, match="no matrix of kind 4 with K=40"):  # int8 rows need K in blocks of 32
+        kernels.rows_q8(x, torch.zeros(8, 40, dtype=torch.int8), torch.ones(8), None)
+    with pytest.raises(TypeError, match="takes float32"):
+        kernels.cols(x, torch.zeros(40, 8, dtype=torch.float16), None)
 
 
 @pytest.fixture
 def no_kernels(monkeypatch):
-    monkeypatch.setattr(K, "library", lambda: None)
+    monkeypatch.setattr(kernels, "library", lambda: None)
 
 
 def test_without_the_kernels_every_product_is_its_reference(no_kernels):
     x, w, bias = torch.randn(2, 64, generator=G), torch.randn(64, 32, generator=G), torch.randn(32, generator=G)
-    assert not K.available() and K.instruction_set() == "none: plain torch"
-    assert torch.equal(K.cols(x, w, bias), K.cols_reference(x, w, bias))
-    assert torch.equal(K.rows(x, w.t(), bias), K.rows_reference(x, w.t(), bias))
+    assert not kernels.available() and kernels.instruction_set() == "none: plain torch"
+    assert torch.equal(kernels.cols(x, w, bias), kernels.cols_reference(x, w, bias))
+    assert torch.equal(kernels.rows(x, w.t(), bias), kernels.rows_reference(x, w.t(), bias))
     w8, scale = torch.randint(-127, 128, (32, 64), generator=G, dtype=torch.int8), torch.rand(32, generator=G)
-    assert torch.equal(K.rows_q8(x, w8, scale, None), K.rows_q8_reference(x, w8, scale, None))
+    assert torch.equal(kernels.rows_q8(x, w8, scale, None), kernels.rows_q8_reference(x, w8, scale, None))
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=1, std=0.1).eval()
     prompt = torch.randint(0, 97, (1, 6), generator=G)
     expected = model.generate(prompt, max_new_tokens=6)
     assert torch.equal(copy.deepcopy(model).quantize("fp32").generate(prompt, max_new_tokens=6), expected)
-    assert all(value.startswith("decode: plain torch") for value in kernels(model.quantize("int8")).values())
+    assert all(value.startswith("decode: plain torch") for value in layer_kernels(model.quantize("int8")).values())
 
 
-def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(K, "_unusable", lambda: None)
-    monkeypatch.setattr(K, "_compiler", lambda: "false")  # a "compiler" that always fails
-    monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path))
-    K.library.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="CPU decoding kernels unavailable, using plain torch: building"):
-            assert K.library() is None
-        x, w = torch.randn(1, 8), torch.randn(8, 4)
-        assert torch.equal(K.cols(x, w, None), x @ w)
-    finally:
-        K.library.cache_clear()
-
-
-@needs_kernels
-def test_a_compiler_without_avx512_builds_the_avx2_kernels(monkeypatch, tmp_path):
-    refuses = tmp_path / "cxx"  # g++ that refuses every AVX-512 flag, as an old compiler would
-    refuses.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in -mavx512*) exit 1;; esac; done\nexec {K._compiler()} "$@"\n')
-    refuses.chmod(0o755)
-    monkeypatch.setattr(K, "_compiler", lambda: str(refuses))
-    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *K.AVX512})
-    monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
-    monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path))
-    K.library.cache_clear()
-    try:
-        assert K.library() is not None
-        assert [path.name for path in (tmp_path / "kernels").iterdir()] == [K._build(K.FLAGS).name]
-        assert K.instruction_set() == "AVX2, FMA, F16C"  # what was built, not what was asked for
-        x, w = torch.randn(2, 40, generator=G), torch.randn(21, 40, generator=G)
-        assert relative(K.rows(x, w, None), K.rows_reference(x, w, None)) < 1e-5
-    finally:
-        K.library.cache_clear()
-
-
-def test_unusable_names_the_reason(monkeypatch):
-    monkeypatch.setenv("GPT2ATTN_KERNELS", "0")
-    assert K._unusable() == "GPT2ATTN_KERNELS=0"
-    monkeypatch.delenv("GPT2ATTN_KERNELS")
-    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2"})
-    if K.platform.system() == "Linux" and K.platform.machine() in ("x86_64", "AMD64"):
-        assert K._unusable() == "this CPU lacks fma, f16c"
-
-
-def test_avx512_is_built_only_where_the_cpu_has_all_of_it(monkeypatch):
-    monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
-    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
-    assert K.flags() == K.FLAGS
-    monkeypatch.setattr(K, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *K.AVX512})
-    assert K.flags() == K.FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-    monkeypatch.setenv("GPT2ATTN_AVX512", "0")
-    assert K.flags() == K.FLAGS
-
-
-@needs_kernels
-@pytest.mark.skipif(not set(K.AVX512) <= K._cpu_flags(), reason="this CPU has no AVX-512: its one build is the AVX2 one")
-def test_the_avx2_build_also_matches_the_references_on_an_avx512_cpu(monkeypatch):
-    """The other tests run the AVX-512 build here; this one the AVX2 build every other CPU runs."""
-    asked = os.environ.get("GPT2ATTN_AVX512", "1") != "0"  # the user's GPT2ATTN_AVX512=0 builds AVX2 alone
-    assert K.instruction_set().startswith("AVX-512") == asked
-    monkeypatch.setenv("GPT2ATTN_AVX512", "0")
-    lib = K._bind(ctypes.CDLL(str(K._build())))
-    monkeypatch.setattr(K, "library", lambda: lib)
-    for K_, N in [(40, 21), (768, 2304)]:
-        x, w, bias = torch.randn(3, K_, generator=G), torch.randn(N, K_, generator=G), torch.randn(N, generator=G)
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            assert relative(K.rows(x, w.to(dtype), bias), K.rows_reference(x, w.to(dtype), bias)) < 1e-5
-            wc = w.t().contiguous().to(dtype)
-            assert relative(K.cols(x, wc, bias), K.cols_reference(x, wc, bias)) < 1e-5
-    x, bias = torch.randn(2, 96, generator=G), torch.randn(70, generator=G)
-    w8, scale = torch.randint(-127, 128, (70, 96), generator=G, dtype=torch.int8), torch.rand(70, generator=G)
-    assert relative(K.rows_q8(x, w8, scale, bias), K.rows_q8_reference(x, w8, scale, bias)) < 1e-5
+def test_int8_decodes_in_blocks_of_32_with_or_without_the_kernels(monkeypatch):
+    """Without kernels, int8 decoding takes the q8 reference (the input in blocks of 32), not
+    fbgemm's one scale per call: the same results as the kernels', to fp32 rounding."""
+    layer = Int8Linear(torch.randn(48, 64, generator=G), torch.randn(48, generator=G))
+    x = torch.randn(2, 64, generator=G) * torch.logspace(-2, 1, 64)  # blocks of very different sizes
+    reference = kernels.rows_q8_reference(x, layer.weight8, layer.scale, layer.bias)
+    fast = layer(x)
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    slow = layer(x)
+    assert torch.equal(slow, reference)
+    if kernel_builds():
+        assert relative(fast, slow) < 1e-5
+    assert relative(layer.prefill(x), slow) > 1e-3  # fbgemm's rounding: not what decoding computes
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +151,7 @@ def test_fp32_mode_decodes_through_the_kernels_at_transformers_parity(model, ids
     assert {k: v.shape for k, v in fast.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
     calls = []
     for name in ("cols", "rows"):
-        monkeypatch.setattr(K, name, lambda *a, f=getattr(K, name), n=name: calls.append(n) or f(*a))
+        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name: calls.append(n) or f(*a))
     with torch.no_grad():
         expected = hf_twin(model).eval()(ids).logits
     got = decode_logits(fast, ids)
@@ -234,7 +196,7 @@ def test_half_modes_compute_with_the_rounded_weights(model, ids, mode, dtype):
 def test_int8_decoding_goes_through_the_q8_kernel_close_to_prefill(model, ids, monkeypatch):
     q = copy.deepcopy(model).quantize("int8")
     calls = []
-    monkeypatch.setattr(K, "rows_q8", lambda *a, f=K.rows_q8: calls.append(1) or f(*a))
+    monkeypatch.setattr(kernels, "rows_q8", lambda *a, f=kernels.rows_q8: calls.append(1) or f(*a))
     with torch.no_grad():
         prefill = q(ids).logits  # 14 rows: fbgemm
         assert not calls
@@ -248,3 +210,28 @@ def test_int8_layer_of_width_not_a_multiple_of_32_takes_fbgemm():
     layer = Int8Linear(torch.randn(8, 40, generator=G), None)
     x = torch.randn(1, 40, generator=G)
     assert relative(layer(x), x @ layer.dequantized_weight().t()) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_quantized_model_saves_and_reloads_tied_or_not(mode, tied, tmp_path):
+    plain = randomize(GPT2LMHeadModel(tiny_config(tie_word_embeddings=tied, n_embd=64)), seed=4, std=0.1).eval()
+    quantized = copy.deepcopy(plain).quantize(mode)
+    quantized.save_pretrained(tmp_path)
+    again = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert (again.lm_head.weight is again.transformer.wte.weight) == tied
+    state = quantized.state_dict()
+    for name, tensor in again.state_dict().items():
+        assert torch.equal(tensor, state[name]), name  # the weights it computes with, in fp32
+
+
+@needs_kernels
+@pytest.mark.parametrize("streams", [1, 3, 8])
+def test_the_benchmarks_read_sum_sums(streams, monkeypatch):
+    """scripts/read_rate.cpp (the benchmarks' read rate; not part of the package) sums what it reads."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_common import read_sum
+
+    x = torch.randn(100_003, generator=G)  # runs of 32 per stream and thread, and what they leave
+    with num_threads(2):
+        assert abs(read_sum(x, streams) - x.double().sum().item()) < 1e-2

@@ -301,7 +301,7 @@ def tensors_to_save(model, state_dict: dict[str, Tensor] | None = None) -> dict[
 
 def _is_tied(model) -> bool:
     head = model.get_output_embeddings()
-    return head is not None and head.weight is model.get_input_embeddings().weight
+    return head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight  # quantize()'s heads hold none
 
 
 def parse_size(size: int | str | None) -> int | None:

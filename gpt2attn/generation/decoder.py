@@ -3,15 +3,79 @@
 The cache is sized for the whole request up front; every forward writes its keys/values in
 place, `rollback()` forgets rejected draft tokens and `reorder()` moves beams in place. With left
 padding the attention mask and the position ids (as transformers derives them) go along.
+
+The Decoder is the one place that picks how a request decodes, once, when it is made: one new
+token per row in one call of gpt2attn.decode_step.DecodeStep when `unfused_reason` finds nothing
+in the way (a plain fp32 model in eval as it is, or one `quantize()` made), else the model's
+modules. Prompts and drafts of several tokens always run through the modules.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .. import kernels
 from ..cache import KVCache
-from ..decode_step import DecodeStep, unfused_reason
+from ..decode_step import DecodeStep
+from ..layers import MLP, Attention, Block, Conv1D, LMHead, no_tap
+from ..quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
+
+TANH_GELU = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python_tanh")  # the GELU decode.cpp computes
+STEP_LAYERS = (Conv1D, Float32Linear, HalfLinear, Int8Linear)  # the block products the step reads
+STEP_HEADS = (LMHead, nn.Linear, Float32Linear, HalfLinear, Int8Linear)
+
+
+def unfused_reason(model: nn.Module, rows: int = 1, token_type_ids: Tensor | None = None,
+                   inside: bool = False) -> str | None:
+    """Why a request of `rows` rows decodes through the model's modules rather than one DecodeStep
+    call per token; None when nothing is in the way. Anything the step would not honour (a hook, a
+    tap, training mode, a replaced module, another dtype or device) sends it to the modules, as does
+    `inside`: a request for the attention weights or hidden states of every step."""
+    cfg, transformer = getattr(model, "config", None), getattr(model, "transformer", None)
+    if cfg is None or transformer is None or getattr(model, "lm_head", None) is None:
+        return "not a GPT2LMHeadModel"
+    if rows > DECODE_ROWS:
+        return f"{rows} rows (the step takes at most {DECODE_ROWS})"
+    if token_type_ids is not None:
+        return "token types"
+    if inside:
+        return "attention weights or hidden states are asked for"
+    if cfg.activation_function not in TANH_GELU:
+        return f"activation_function {cfg.activation_function!r} (the step computes the tanh GELU)"
+    if cfg.add_cross_attention:
+        return "cross-attention"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "a global forward hook"
+    for name, module in model.named_modules():
+        where = name or "the model"
+        if module.training:
+            return f"{where} is in training mode (dropout)"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"a forward hook on {where}"
+        if getattr(module, "tap", no_tap) is not no_tap:
+            return f"a tap on {where}"
+    for p in model.parameters():
+        if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+            return "a parameter that is not contiguous fp32 on the CPU"
+    for i, block in enumerate(transformer.h):
+        kinds = (type(block), type(block.attn), type(block.mlp), type(block.ln_1), type(block.ln_2))
+        if kinds != (Block, Attention, MLP, nn.LayerNorm, nn.LayerNorm):
+            return f"a module of transformer.h.{i} was replaced"
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            layer = block.get_submodule(name)
+            if type(layer) not in STEP_LAYERS:
+                return f"transformer.h.{i}.{name} is a {type(layer).__name__}"
+            if isinstance(layer, Int8Linear) and layer.in_features % kernels.BLOCK:
+                return f"int8 layers need inputs in blocks of {kernels.BLOCK}"
+    if type(model.lm_head) not in STEP_HEADS or type(transformer.ln_f) is not nn.LayerNorm:
+        return "the head or ln_f was replaced"
+    if (tuple(transformer.wte.weight.shape) != (cfg.vocab_size, cfg.n_embd)
+            or tuple(transformer.wpe.weight.shape) != (cfg.n_positions, cfg.n_embd)):
+        return "embeddings of other shapes than the config's"
+    if not kernels.available():  # last: a model the step cannot take builds no kernels
+        return "the kernels are not available here"
+    return None
 
 
 class Decoder:
@@ -31,10 +95,9 @@ class Decoder:
         # reorder copied them from one row (beams share their history up to where they parted).
         # New tokens go after every shared position, so only a rollback lowers it.
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
-        # a quantized model takes one new token per row in a single call (see gpt2attn.decode_step)
         self.record = record or {}
-        fused = token_type_ids is None and not self.record and unfused_reason(model) is None
-        self.step = DecodeStep(model) if fused else None
+        self.unfused = unfused_reason(model, rows, token_type_ids, bool(self.record))  # None: one call per new token
+        self.step = DecodeStep(model) if self.unfused is None else None
         self.mask = self.positions = None
         if mask is not None and not bool(mask.all()):
             self.mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # (N, capacity)
@@ -52,9 +115,9 @@ class Decoder:
         """Run ids (N, k) (or embeds (N, k, C)) after the cache; float32 logits of the last
         position (N, V), or of every position (N, k, V) with all_positions."""
         k = (ids if ids is not None else embeds).size(1)
-        plain = self.mask is None and self.positions is None
-        if self.step is not None and ids is not None and plain and self.step.usable(ids, self.cache):
-            logits = self.step(ids, self.cache)  # (N, V)
+        if self.step is not None and k == 1 and ids is not None:
+            positions = None if self.positions is None else self._positions(1)
+            logits = self.step(ids, self.cache, positions, self.mask)  # (N, V)
             return logits[:, None] if all_positions else logits
         kwargs = {}
         if self.mask is not None:

@@ -1,27 +1,38 @@
-"""The bandwidth-bound products of CPU decoding, each a fast kernel beside its pure-torch reference.
+"""The bandwidth-bound products of CPU decoding, each a fast kernel beside its pure-torch reference,
+and a whole decoding step in one call (decode.cpp).
 
 A decoding step multiplies a few rows x (B, K) by every weight matrix once, so its time is the
-time to read the weights. The kernels in matvec.cpp read each weight once per step, split over
-all of torch's threads, and accumulate in fp32:
+time to read the weights. The kernels read each weight once per step, split over all of torch's
+threads, and accumulate in fp32:
 
-    cols(x, w, bias)           w (K, N), Conv1D's layout, in fp32, fp16 or bf16     -> (B, N)
-    rows(x, w, bias)           w (N, K), nn.Linear's layout (the LM head), same dtypes -> (B, N)
+    cols(x, w, bias)            w (K, N) fp32, Conv1D's layout                          -> (B, N)
+    rows(x, w, bias)            w (N, K), nn.Linear's layout (the LM head), fp32, fp16 or bf16 -> (B, N)
     rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
-                               in blocks of 32 (quantize_q8)                          -> (B, N)
+                                in blocks of 32 (quantize_q8)                           -> (B, N)
+    decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
 
-Each has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the order
-of the additions differs; quantize_q8 is exact), used when the kernel is not there.
+Each product has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the
+order of the additions differs; quantize_q8 is exact), which runs when the kernels cannot.
 
-The kernel is C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
-VL, DQ and VNNI) it is built with those too, and the rows products then take 16 floats or 64
-int8 a step (gpt2attn/kernels/simd.h; GPT2ATTN_AVX512=0 builds the AVX2 kernels alone). It is
-compiled on first use with the system's C++ compiler ($CXX, else g++ or c++) into a cache folder
-($GPT2ATTN_CACHE, else ~/.cache/gpt2attn) under a name keyed by the source, the flags and this
-CPU, so another machine or a changed source builds afresh (about 2 s), and loaded with ctypes; a
-compiler that cannot build the AVX-512 kernels builds the AVX2 ones. It links the OpenMP runtime
-torch already loaded (libgomp), so its threads are torch's. Where the CPU lacks AVX2, FMA
-or F16C, on non-Linux systems, without a compiler, or with GPT2ATTN_KERNELS=0, every product
-takes its reference (a one-line warning says why, once).
+The kernels are C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
+VL, DQ and VNNI) they are built with those too, and the rows products then take 16 floats or 64
+int8 a step (simd.h). They are compiled on first use with the system's C++ compiler into a cache
+folder, under a name keyed by the sources, the flags, the compiler and this CPU, and loaded with
+ctypes; they link the OpenMP runtime torch already loaded (libgomp), so their threads are torch's.
+
+The cache cannot take the process down: a library is published under its name only once complete
+(written aside, then renamed), and the name carries a digest of its bytes, checked before it is
+loaded, so a truncated, overwritten or foreign file is rebuilt (once), never loaded. The compiler
+runs under a time limit (BUILD_SECONDS). Whatever stops the kernels (not x86-64 Linux, a CPU without
+AVX2/FMA/F16C, no compiler, a compiler that fails or hangs, no cache folder, a read-only one) every
+product takes its reference, with one warning saying why.
+
+The environment (read once, at first use):
+    GPT2ATTN_KERNELS  0/false/no/off: plain torch, silently; 1/true/yes/on or unset: the kernels
+    GPT2ATTN_AVX512   0/false/no/off: build the AVX2 kernels even on an AVX-512 CPU; else as the CPU allows
+    GPT2ATTN_CACHE    the cache folder's parent (kernels/ goes inside); unset: ~/.cache/gpt2attn
+    CXX               the compiler; unset: g++, else c++
+Another value of a switch is warned about and taken as unset.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -40,13 +52,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("matvec.cpp", "step.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]  # included by both; part of the build's cache key
+SOURCES = [Path(__file__).with_name("decode.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by decode.cpp: part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 NEEDS = ("avx2", "fma", "f16c")
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
           "avx512_vnni": "-mavx512vnni"}  # /proc/cpuinfo's name -> the compiler's flag
 BLOCK = 32  # values per int8 block of x
+BUILD_SECONDS = 120  # the compiler is stopped after this long (a build takes 2-8 s)
+SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+class Unavailable(Exception):
+    """Why the kernels cannot run here."""
 
 
 def available() -> bool:
@@ -56,39 +74,55 @@ def available() -> bool:
 
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None (with a warning) when they cannot run here."""
-    why = _unusable()
-    if why is None:
-        wanted = flags()
-        for build_flags in [wanted] + ([FLAGS] if wanted != FLAGS else []):  # a compiler without AVX-512: AVX2 alone
-            try:
-                lib = _bind(ctypes.CDLL(str(_build(build_flags))))
-                lib.build_flags = build_flags  # what instruction_set() reports
-                return lib
-            except (OSError, subprocess.SubprocessError) as err:
-                why = f"building the kernels failed ({str(err).strip().splitlines()[-1] if str(err).strip() else err})"
-    if why != "GPT2ATTN_KERNELS=0":
-        warnings.warn(f"gpt2attn: CPU decoding kernels unavailable, using plain torch: {why}", RuntimeWarning, 2)
-    return None
+    """The compiled kernels, built on first use; None (with one warning, unless GPT2ATTN_KERNELS
+    switched them off) when they cannot run here."""
+    notes: list[str] = []  # what went wrong on the way, said in the one warning
+    lib = None
+    if _switch("GPT2ATTN_KERNELS", notes):
+        try:
+            lib = _load(notes)
+        except Unavailable as why:
+            notes.append(f"CPU decoding kernels unavailable, using plain torch: {why}")
+    if notes:
+        warnings.warn("gpt2attn: " + "; ".join(notes), RuntimeWarning, 2)
+    return lib
 
 
-def _unusable() -> str | None:
-    if os.environ.get("GPT2ATTN_KERNELS", "1") == "0":
-        return "GPT2ATTN_KERNELS=0"
+def _switch(name: str, notes: list[str]) -> bool:
+    """An on/off environment variable, on unless set to 0/false/no/off (another value: a note)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value and value not in SWITCHES:
+        notes.append(f"{name}={os.environ[name]!r} is none of {'/'.join(SWITCHES)}: taken as unset")
+    return SWITCHES.get(value, True)
+
+
+def _load(notes: list[str]) -> ctypes.CDLL:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"they are built for x86-64 Linux, this is {platform.system()} {platform.machine()}"
+        raise Unavailable(f"they are built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
     missing = [flag for flag in NEEDS if flag not in _cpu_flags()]
     if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    if _compiler() is None:
-        return "no C++ compiler found ($CXX, g++ or c++)"
-    return None
+        raise Unavailable(f"this CPU lacks {', '.join(missing)}")
+    compiler = _compiler()
+    if compiler is None:
+        raise Unavailable("no C++ compiler found ($CXX, g++ or c++)")
+    wanted = flags(notes)
+    why = None
+    for build_flags in [wanted] + ([FLAGS] if wanted != FLAGS else []):  # a compiler without AVX-512: AVX2 alone
+        try:
+            lib = _bind(ctypes.CDLL(str(build(SOURCES, build_flags, notes))))
+        except (OSError, AttributeError, subprocess.SubprocessError) as err:
+            lines = str(err).strip().splitlines()
+            why = f"building the kernels failed ({lines[-1] if lines else type(err).__name__})"
+            continue
+        lib.build_flags = build_flags  # what instruction_set() reports
+        return lib
+    raise Unavailable(why)
 
 
-def flags() -> list[str]:
+def flags(notes: list[str] | None = None) -> list[str]:
     """The compiler flags for this CPU: AVX2, FMA and F16C, and AVX-512 where the CPU has all of
-    AVX512 (unless GPT2ATTN_AVX512=0)."""
-    wide = os.environ.get("GPT2ATTN_AVX512", "1") != "0" and set(AVX512) <= _cpu_flags()
+    AVX512 (unless GPT2ATTN_AVX512 is off)."""
+    wide = _switch("GPT2ATTN_AVX512", [] if notes is None else notes) and set(AVX512) <= _cpu_flags()
     return FLAGS + (list(AVX512.values()) if wide else [])
 
 
@@ -126,79 +160,134 @@ def _cpu_name() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GPT2ATTN_CACHE") or Path.home() / ".cache" / "gpt2attn") / "kernels"
+    """$GPT2ATTN_CACHE/kernels, else ~/.cache/gpt2attn/kernels; Unavailable where there is no home."""
+    if os.environ.get("GPT2ATTN_CACHE"):
+        return Path(os.environ["GPT2ATTN_CACHE"]) / "kernels"
+    try:
+        return Path.home() / ".cache" / "gpt2attn" / "kernels"
+    except (RuntimeError, KeyError) as err:  # HOME unset and a uid with no passwd entry
+        raise Unavailable(f"no folder for the kernel cache ({err}); set GPT2ATTN_CACHE") from None
 
 
-def _build(build_flags: list[str] | None = None) -> Path:
-    """Compile the kernels for this CPU with build_flags (default: flags()) into the cache (once per
-    source, flags and CPU)."""
-    compiler = _compiler()
+def cache_key(sources: list[Path], build_flags: list[str]) -> str:
+    """What a build depends on: the sources and headers, the flags, the compiler and this CPU."""
     key = hashlib.sha256()
-    build_flags = flags() if build_flags is None else build_flags
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(build_flags).encode(), compiler.encode(), _cpu_name().encode(),
-                 " ".join(sorted(_cpu_flags())).encode()):
-        key.update(part)
-    target = cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *build_flags, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise subprocess.SubprocessError(done.stderr or f"{compiler} exited with {done.returncode}")
-            os.replace(built, target)  # atomic: a process beside this one never loads half a file
+    for part in (*(path.read_bytes() for path in sources + HEADERS), " ".join(build_flags), _compiler() or "",
+                 _cpu_name(), " ".join(sorted(_cpu_flags()))):
+        key.update(part if isinstance(part, bytes) else part.encode())
+        key.update(b"\0")
+    return key.hexdigest()[:16]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def build(sources: list[Path], build_flags: list[str], notes: list[str]) -> Path:
+    """The library of `sources` built with build_flags, from the cache or compiled into it:
+    `<stem>-<key>-<digest of its bytes>.so`. A cached file whose bytes do not match its digest is
+    removed and rebuilt (a note says so)."""
+    folder = cache_dir()
+    prefix = f"{sources[0].stem}-{cache_key(sources, build_flags)}-"
+    for path in sorted(folder.glob(prefix + "*.so")):
+        try:
+            if _digest(path) == path.stem.removeprefix(prefix):
+                return path
+            notes.append(f"the cached library {path} was damaged; building it afresh")
+            path.unlink()
+        except OSError:
+            pass
+    return _compile(sources, build_flags, folder, prefix)
+
+
+def _compile(sources: list[Path], build_flags: list[str], folder: Path, prefix: str) -> Path:
+    """Compile into a folder of its own beside the cache, then rename: the cache never holds half a file."""
+    compiler = _compiler()
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        built, log = Path(tmp) / "lib.so", Path(tmp) / "log"
+        with open(log, "w") as out:  # a file, not a pipe: a compiler's children cannot keep it open on us
+            process = subprocess.Popen([compiler, *build_flags, *map(str, sources), "-o", str(built)], stdout=out,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                process.wait(timeout=BUILD_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the compiler and everything it started
+                process.wait()
+                raise subprocess.SubprocessError(f"{compiler} did not finish in {BUILD_SECONDS} s") from None
+        if process.returncode != 0:
+            raise subprocess.SubprocessError(log.read_text() or f"{compiler} exited with {process.returncode}")
+        target = folder / f"{prefix}{_digest(built)}.so"
+        os.replace(built, target)  # atomic: a process beside this one never sees half a file
     return target
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    matvec = [p, i64, i64, p, i64, p, p, i32]
-    for name, args in {
-        "gpt2attn_cols_f32": matvec, "gpt2attn_cols_16": matvec + [i32],
-        "gpt2attn_rows_f32": matvec, "gpt2attn_rows_16": matvec + [i32],
-        "gpt2attn_quantize_q8": [p, i64, i64, p, p],
-        "gpt2attn_rows_q8": [p, p, i64, i64, p, p, i64, p, p, i32],
-        "gpt2attn_read_sum": [p, i64, i32, i32],
-        "gpt2attn_decode_step": [p, p, i64, i64, p, i64, p, i32],
-    }.items():
+    for name, args, result in [
+        ("gpt2attn_product", [ctypes.POINTER(Matrix), p, i64, p, i32], i32),
+        ("gpt2attn_quantize_q8", [p, i64, i64, p, p], None),
+        ("gpt2attn_decode_step", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32], i32),
+    ]:
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
-    lib.gpt2attn_read_sum.restype = ctypes.c_float
-    lib.gpt2attn_decode_step.restype = ctypes.c_int
+        getattr(lib, name).restype = result
     return lib
+
+
+# The weights as decode.cpp reads them: each matrix a Matrix of one kind (decode.cpp's Kind).
+COLS_F32 = 0  # (K, N), Conv1D's layout
+ROWS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # (N, K), nn.Linear's layout
+ROWS_Q8 = 4  # (N, K) int8, one scale per row
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("kind", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln_1_weight", ctypes.c_void_p), ("ln_1_bias", ctypes.c_void_p), ("c_attn", Matrix),
+                ("attn_proj", Matrix), ("ln_2_weight", ctypes.c_void_p), ("ln_2_bias", ctypes.c_void_p),
+                ("c_fc", Matrix), ("mlp_proj", Matrix), ("attn_scale", ctypes.c_float)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("n_layer", ctypes.c_int64), ("n_embd", ctypes.c_int64), ("n_head", ctypes.c_int64),
+                ("n_inner", ctypes.c_int64), ("vocab_size", ctypes.c_int64), ("n_positions", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("wte", ctypes.c_void_p), ("wpe", ctypes.c_void_p),
+                ("ln_f_weight", ctypes.c_void_p), ("ln_f_bias", ctypes.c_void_p), ("lm_head", Matrix),
+                ("layers", ctypes.POINTER(Layer))]
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _check(x: Tensor, w: Tensor, bias: Tensor | None) -> None:
-    # the kernels read raw memory: everything contiguous, x and bias fp32, all on the CPU
-    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu", "x: contiguous fp32 on the CPU"
-    assert w.is_contiguous() and w.device.type == "cpu", "weight: contiguous on the CPU"
+def matrix(weight: Tensor, bias: Tensor | None, kind: int, scale: Tensor | None = None) -> Matrix:
+    """A Matrix over these tensors (no copy: they must outlive its use)."""
+    assert weight.is_contiguous() and weight.device.type == "cpu", "weight: contiguous on the CPU"
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()), "bias: contiguous fp32"
+    assert scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()), "scale: contiguous fp32"
+    N, K = weight.shape[::-1] if kind == COLS_F32 else weight.shape
+    return Matrix(_ptr(weight), _ptr(scale), _ptr(bias), K, N, kind)
 
 
-def _matvec(kind: str, x: Tensor, w: Tensor, bias: Tensor | None, K: int, N: int) -> Tensor:
-    lib = library()
+def _product(w: Matrix, x: Tensor) -> Tensor:
     x = x.contiguous()
-    _check(x, w, bias)
-    y = torch.empty(x.size(0), N, dtype=torch.float32)
-    args = [_ptr(x), x.size(0), K, _ptr(w), N, _ptr(bias), _ptr(y), torch.get_num_threads()]
-    if w.dtype == torch.float32:
-        (lib.gpt2attn_cols_f32 if kind == "cols" else lib.gpt2attn_rows_f32)(*args)
-    elif w.dtype in (torch.float16, torch.bfloat16):
-        (lib.gpt2attn_cols_16 if kind == "cols" else lib.gpt2attn_rows_16)(*args, int(w.dtype == torch.bfloat16))
-    else:
-        raise TypeError(f"weight dtype {w.dtype}: the kernels take float32, float16 or bfloat16")
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.size(1) == w.K, "x: (B, K) fp32 on the CPU"
+    y = torch.empty(x.size(0), w.N, dtype=torch.float32)
+    if library().gpt2attn_product(ctypes.byref(w), _ptr(x), x.size(0), _ptr(y), torch.get_num_threads()) != 0:
+        raise ValueError(f"the kernels take no matrix of kind {w.kind} with K={w.K}")
     return y
 
 
 def cols(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    """x (B, K) fp32 times w (K, N) (fp32/fp16/bf16) plus bias (N,) -> (B, N) fp32."""
+    """x (B, K) fp32 times w (K, N) fp32 plus bias (N,) -> (B, N) fp32."""
     if library() is None:
         return cols_reference(x, w, bias)
-    return _matvec("cols", x, w, bias, w.size(0), w.size(1))
+    if w.dtype != torch.float32:
+        raise TypeError(f"weight dtype {w.dtype}: the (K, N) kernel takes float32")
+    return _product(matrix(w, bias, COLS_F32), x)
 
 
 def cols_reference(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
@@ -210,7 +299,9 @@ def rows(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x (B, K) fp32 times w (N, K)ᵀ (fp32/fp16/bf16) plus bias (N,) -> (B, N) fp32."""
     if library() is None:
         return rows_reference(x, w, bias)
-    return _matvec("rows", x, w, bias, w.size(1), w.size(0))
+    if w.dtype not in ROWS:
+        raise TypeError(f"weight dtype {w.dtype}: the (N, K) kernels take float32, float16 or bfloat16")
+    return _product(matrix(w, bias, ROWS[w.dtype]), x)
 
 
 def rows_reference(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
@@ -223,7 +314,7 @@ def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor]:
     if library() is None:
         return quantize_q8_reference(x)
     x = x.contiguous()
-    _check(x, x, None)
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.size(1) % BLOCK == 0
     B, K = x.shape
     xq, xs = torch.empty(B, K, dtype=torch.int8), torch.empty(B, K // BLOCK, dtype=torch.float32)
     library().gpt2attn_quantize_q8(_ptr(x), B, K, _ptr(xq), _ptr(xs))
@@ -239,27 +330,11 @@ def quantize_q8_reference(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     """x (B, K) fp32 times (w8 (N, K) int8 · scale (N,))ᵀ plus bias -> (B, N) fp32, with x
-    quantized by quantize_q8 first. K must be a multiple of 32."""
+    quantized as quantize_q8 does first. K must be a multiple of 32."""
     if library() is None:
         return rows_q8_reference(x, w8, scale, bias)
-    xq, xs = quantize_q8(x)
-    _check(xs, w8, bias)
-    assert scale.dtype == torch.float32 and scale.is_contiguous() and w8.dtype == torch.int8
-    N, K = w8.shape
-    y = torch.empty(x.size(0), N, dtype=torch.float32)
-    library().gpt2attn_rows_q8(_ptr(xq), _ptr(xs), x.size(0), K, _ptr(w8), _ptr(scale), N, _ptr(bias), _ptr(y),
-                               torch.get_num_threads())
-    return y
-
-
-def read_sum(x: Tensor, streams: int = 8) -> float:
-    """The sum of a contiguous fp32 tensor, read once on all of torch's threads, each thread's share
-    as `streams` runs read in step (how fast this machine reads memory: the benchmarks' bandwidth
-    limit; one stream a thread reads slower)."""
-    if library() is None:
-        return x.sum().item()
-    assert x.dtype == torch.float32 and x.is_contiguous() and streams >= 1
-    return library().gpt2attn_read_sum(_ptr(x), x.numel(), torch.get_num_threads(), streams)
+    assert w8.dtype == torch.int8
+    return _product(matrix(w8, bias, ROWS_Q8, scale), x)
 
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -271,40 +346,22 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
     return y if bias is None else y + bias
 
 
-# One decoding step of a whole model (step.cpp): the model's weights described once, as C structs.
-# Kinds of weight matrix, as step.cpp numbers them: (K, N) Conv1D layout (fp32, the model's own
-# parameters) or (N, K) rows, by dtype.
-COLS = {torch.float32: 0}
-ROWS = {torch.float32: 3, torch.float16: 4, torch.bfloat16: 5}
-Q8_ROWS = 6
+STEP_ERRORS = {-1: "a weight matrix's sizes or kind do not fit the model's", -2: "a token id outside the vocabulary",
+               -3: "a position past the model's n_positions or the cache's capacity"}
 
 
-class Matrix(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("K", ctypes.c_int64), ("N", ctypes.c_int64)]
-
-
-class Layer(ctypes.Structure):
-    _fields_ = [("ln_1_weight", ctypes.c_void_p), ("ln_1_bias", ctypes.c_void_p), ("c_attn", Matrix),
-                ("attn_proj", Matrix), ("ln_2_weight", ctypes.c_void_p), ("ln_2_bias", ctypes.c_void_p),
-                ("c_fc", Matrix), ("mlp_proj", Matrix), ("attn_scale", ctypes.c_float), ("unused", ctypes.c_float)]
-
-
-class Model(ctypes.Structure):
-    _fields_ = [("n_layer", ctypes.c_int64), ("n_embd", ctypes.c_int64), ("n_head", ctypes.c_int64),
-                ("n_inner", ctypes.c_int64), ("vocab_size", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("unused", ctypes.c_float), ("wte", ctypes.c_void_p), ("wpe", ctypes.c_void_p),
-                ("ln_f_weight", ctypes.c_void_p), ("ln_f_bias", ctypes.c_void_p), ("lm_head", Matrix),
-                ("layers", ctypes.POINTER(Layer))]
-
-
-def decode_step(model: Model, ids: Tensor, pos: int, kv: Tensor, logits: Tensor) -> None:
-    """Run step.cpp: logits (B, V) of the tokens after ids (B,) int64, at position pos; their keys
-    and values written into kv (n_layer, 2, B, nh, capacity, hs) at pos. Every pointer in `model`
-    must stay alive for the call (gpt2attn.decode_step keeps the tensors)."""
-    assert ids.dtype == torch.int64 and ids.is_contiguous() and kv.is_contiguous() and logits.is_contiguous()
-    assert kv.dtype == torch.float32 and logits.dtype == torch.float32 and 0 <= pos < kv.size(4)
-    status = library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), ids.numel(), pos, _ptr(kv), kv.size(4),
-                                            _ptr(logits), torch.get_num_threads())
+def decode_step(model: Model, ids: Tensor, positions: Tensor | None, key_mask: Tensor | None, pos: int, kv: Tensor,
+                logits: Tensor) -> None:
+    """Run decode.cpp's step: logits (B, V) of the tokens after ids (B,) int64, at positions (B,)
+    int64 (None: pos for every row), attending to the cached entries key_mask (B, capacity) int64
+    marks 1 (None: all); their keys and values written into kv (n_layer, 2, B, nh, capacity, hs) at
+    index pos. Every pointer in `model` must stay alive for the call (gpt2attn.decode_step keeps
+    the tensors). Raises ValueError, having computed nothing, for sizes, ids or positions out of range."""
+    for t, dtype in ((ids, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
+                     (logits, torch.float32)):
+        assert t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+    assert key_mask is None or key_mask.shape == (ids.numel(), kv.size(4))
+    status = library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), _ptr(positions), _ptr(key_mask), ids.numel(),
+                                            pos, _ptr(kv), kv.size(4), _ptr(logits), torch.get_num_threads())
     if status != 0:
-        raise ValueError("decode_step: a weight matrix's sizes or kind do not fit the model's (nothing computed)")
+        raise ValueError(f"decode_step: {STEP_ERRORS[status]} (nothing computed)")

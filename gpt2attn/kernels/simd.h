@@ -1,4 +1,4 @@
-// The pieces both kernel files use: widening 8 weights to fp32, a horizontal sum, the
+// The vector pieces of decode.cpp: widening 8 weights to fp32, a horizontal sum, the
 // quantization of activations in blocks of 32 (llama.cpp's q8_0 layout), and the inner loop of
 // every (N, K) rows product: four rows' dot products with one input row (dot4, dot4_q8).
 //
@@ -78,13 +78,11 @@ inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scal
 #define GPT2ATTN_AVX512 1
 #endif
 
-// A rows product reads its four rows as four streams; each step asks for the bytes PREFETCH_BYTES
+// A rows product reads its four rows as four streams; each step asks for the bytes PREFETCH_AHEAD
 // ahead in each (the hardware prefetcher alone keeps fewer reads in flight).
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
-#endif
+constexpr int64_t PREFETCH_AHEAD = 2048;
 inline void prefetch4(const void* w0, const void* w1, const void* w2, const void* w3, int64_t offset) {
-    for (const void* w : {w0, w1, w2, w3}) _mm_prefetch((const char*)w + offset + PREFETCH_BYTES, _MM_HINT_T0);
+    for (const void* w : {w0, w1, w2, w3}) _mm_prefetch((const char*)w + offset + PREFETCH_AHEAD, _MM_HINT_T0);
 }
 
 // out[i] = the sum of accumulator i's lanes (and, add4, plus those of a 16-lane accumulator)

@@ -1,0 +1,417 @@
+// CPU decoding for GPT-2: the weight products of a few rows, and a whole decoding step in one call.
+//
+// A product is y (B, N) = x (B, K) · W + bias for a few rows B, every weight read once, on all
+// threads. W is a `Matrix` of one kind:
+//   COLS_F32                 (K, N) row-major, Conv1D's layout, read as it is (no copy): threads
+//                            take chunks of 32 rows of W, each a contiguous stretch of memory, and
+//                            add x[k] times every row into their own partial outputs (eight rows a
+//                            pass), summed at the end
+//   ROWS_F32, ROWS_F16, ROWS_BF16  (N, K), nn.Linear's layout (the LM head, wte itself when tied):
+//                            threads take spans of rows, each read as four far-apart streams
+//                            (simd.h's dot4: row i of each quarter of the span together)
+//   ROWS_Q8                  (N, K) int8 with one fp32 scale per row; x is quantized in blocks of
+//                            32 with one scale each (llama.cpp's q8_0), each block's 32 products
+//                            summed exactly in int32
+// 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
+// Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
+//
+// Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count).
+// A rows product hands its spans out in turn (schedule(dynamic)), so a thread the OS holds back on
+// a busy machine delays it by one span, not by its whole share: each row's sum is one thread's,
+// the same whichever thread takes it. A cols product gives each thread an equal run of chunks
+// (schedule(static)): its partial sums then hold the same chunks on every run, so a step's
+// results do not change from run to run (taken in turn, they changed in the last bits).
+//
+// gpt2attn_product runs one product in its own parallel region (the modules' path);
+// gpt2attn_decode_step runs every product of a step inside one region, no Python between layers:
+//
+//   ids (B) -> wte[id] + wpe[position] -> n_layer x [ x += attn(ln_1(x)); x += mlp(ln_2(x)) ] -> ln_f -> head -> logits (B, V)
+//
+// The keys and values of the new token go into the cache at index `pos`, in the layout of
+// gpt2attn's preallocated KVCache block: (n_layer, 2, B, nh, capacity, hs). GELU is the tanh
+// form (gelu_new), computed with the exp below.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmath>
+#include <vector>
+
+#include "simd.h"
+
+extern "C" {
+
+enum Kind : int32_t { COLS_F32 = 0, ROWS_F32 = 1, ROWS_F16 = 2, ROWS_BF16 = 3, ROWS_Q8 = 4 };
+
+struct Matrix {
+    const void* weight;  // see Kind for the layout
+    const float* scale;  // ROWS_Q8: one per row (N); else null
+    const float* bias;   // (N) or null
+    int64_t K, N;        // inputs, outputs
+    int32_t kind;
+};
+
+struct Layer {
+    const float *ln_1_weight, *ln_1_bias;
+    Matrix c_attn, attn_proj;  // attn.c_attn (C -> 3C), attn.c_proj (C -> C)
+    const float *ln_2_weight, *ln_2_bias;
+    Matrix c_fc, mlp_proj;  // mlp.c_fc (C -> inner), mlp.c_proj (inner -> C)
+    float attn_scale;       // 1/sqrt(hs), divided by layer_idx + 1 where the config says so
+};
+
+struct Model {
+    int64_t n_layer, n_embd, n_head, n_inner, vocab_size, n_positions;
+    float eps;
+    const float *wte, *wpe, *ln_f_weight, *ln_f_bias;  // wte (V, C), wpe (n_positions, C)
+    Matrix lm_head;
+    const Layer* layers;
+};
+
+}  // extern "C"
+
+namespace {
+
+using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
+
+enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
+
+constexpr int64_t KCHUNK = 32;  // rows of a (K, N) weight per chunk (a multiple of 8): 32 x 2304 fp32 = 295 KB
+constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product
+constexpr int64_t SLICE = 256;  // outputs per task when the threads' partials of a cols product are summed
+
+bool is_kind(int32_t kind) { return kind >= COLS_F32 && kind <= ROWS_Q8; }
+
+// e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
+// error below 1e-8), 2^n put into the exponent bits.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln 2 in two parts, so n ln2 is exact
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// gelu_new: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^{2u} + 1)
+inline __m256 gelu8(__m256 x) {
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f), _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_mul_ps(_mm256_set1_ps(0.044715f), x), x));
+    __m256 e = exp8(_mm256_add_ps(u, u));
+    __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+}
+inline float gelu1(float x) { return 0.5f * x * (1.0f + std::tanh(0.7978845608f * (x + 0.044715f * x * x * x))); }
+
+// y[0:n] (op)= acc[0:n] + bias[0:n]
+inline void finish(float* y, const float* acc, const float* bias, int64_t n, Epilogue op) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(acc + i);
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
+        if (op == GELU) v = gelu8(v);
+        if (op == ADD) v = _mm256_add_ps(v, _mm256_loadu_ps(y + i));
+        _mm256_storeu_ps(y + i, v);
+    }
+    for (; i < n; i++) {
+        float v = acc[i] + (bias ? bias[i] : 0.0f);
+        y[i] = op == GELU ? gelu1(v) : op == ADD ? y[i] + v : v;
+    }
+}
+
+// The rows of an (N, K) product, handed to the threads in spans of a multiple of 4 rows (SPANS
+// per thread, taken in turn). body(r0, r1) runs once per span of at most span_rows(N, threads) rows.
+inline int64_t span_rows(int64_t N, int threads) { return ((N + SPANS * threads - 1) / (SPANS * threads) + 3) / 4 * 4; }
+template <typename F>
+void for_spans(int64_t N, int threads, F&& body) {
+    const int64_t span = span_rows(N, threads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t s = 0; s < (N + span - 1) / span; s++) body(s * span, (s + 1) * span < N ? (s + 1) * span : N);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float t = hsum(s);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+// y (n) += p * v (n)
+inline void axpy(float* y, float p, const float* v, int64_t n) {
+    __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += p * v[i];
+}
+
+void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* out) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < C; i++) mean += x[i];
+    mean /= C;
+    for (int64_t i = 0; i < C; i++) var += (x[i] - mean) * (x[i] - mean);
+    float inv = 1.0f / std::sqrt((float)(var / C) + eps), m = (float)mean;
+    for (int64_t i = 0; i < C; i++) out[i] = (x[i] - m) * inv * w[i] + b[i];
+}
+
+// The products of B rows, with every thread's scratch space: sized once for the widest matrix
+// they will see, then called by every thread of a parallel region.
+struct Products {
+    int64_t B;
+    int threads;
+    int64_t max_cols_n, max_k, max_span;  // widest cols output, widest input, longest rows span
+    std::vector<float> partial;  // (threads, B, max_cols_n): each thread's share of a (K, N) product
+    std::vector<int8_t> xq;      // (threads, B, max_k): x quantized for ROWS_Q8, by each thread for itself
+    std::vector<float> xs;       // (threads, B, max_k / 32): its scales
+    std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
+
+    // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K
+    Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k)
+        : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
+          partial(nthreads * rows * cols_n), xq(nthreads * rows * k), xs(nthreads * rows * (k / 32)),
+          sums(nthreads * rows * max_span) {}
+
+    // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
+    void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+        switch (W.kind) {
+            case COLS_F32: cols(W, x, y, y_stride, op); break;
+            case ROWS_F32: rows<float, false>(W, x, y, y_stride, op); break;
+            case ROWS_F16: rows<uint16_t, false>(W, x, y, y_stride, op); break;
+            case ROWS_BF16: rows<uint16_t, true>(W, x, y, y_stride, op); break;
+            case ROWS_Q8: rows_q8(W, x, y, y_stride, op); break;
+        }
+    }
+
+    void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+        const int64_t K = W.K, N = W.N, vec_end = N / 8 * 8;
+        const float* w = (const float*)W.weight;
+        float* mine = partial.data() + omp_get_thread_num() * B * max_cols_n;  // (B, N) of this thread
+        memset(mine, 0, B * N * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < (K + KCHUNK - 1) / KCHUNK; c++) {
+            const int64_t k1 = (c + 1) * KCHUNK < K ? (c + 1) * KCHUNK : K;
+            int64_t k = c * KCHUNK;
+            for (; k + 8 <= k1; k += 8) {  // eight rows of W per pass over the outputs
+                const float* w0 = w + k * N;
+                for (int64_t b = 0; b < B; b++) {
+                    const float* xb = x + b * K + k;
+                    __m256 xk[8];
+                    for (int i = 0; i < 8; i++) xk[i] = _mm256_set1_ps(xb[i]);
+                    float* yb = mine + b * N;
+                    for (int64_t n = 0; n < vec_end; n += 8) {
+                        const float* wn = w0 + n;
+                        __m256 even = _mm256_fmadd_ps(xk[0], _mm256_loadu_ps(wn), _mm256_loadu_ps(yb + n));
+                        __m256 odd = _mm256_mul_ps(xk[1], _mm256_loadu_ps(wn + N));
+                        even = _mm256_fmadd_ps(xk[2], _mm256_loadu_ps(wn + 2 * N), even);
+                        odd = _mm256_fmadd_ps(xk[3], _mm256_loadu_ps(wn + 3 * N), odd);
+                        even = _mm256_fmadd_ps(xk[4], _mm256_loadu_ps(wn + 4 * N), even);
+                        odd = _mm256_fmadd_ps(xk[5], _mm256_loadu_ps(wn + 5 * N), odd);
+                        even = _mm256_fmadd_ps(xk[6], _mm256_loadu_ps(wn + 6 * N), even);
+                        odd = _mm256_fmadd_ps(xk[7], _mm256_loadu_ps(wn + 7 * N), odd);
+                        _mm256_storeu_ps(yb + n, _mm256_add_ps(even, odd));
+                    }
+                    for (int64_t n = vec_end; n < N; n++) {
+                        float v = yb[n];
+                        for (int i = 0; i < 8; i++) v += xb[i] * w0[i * N + n];
+                        yb[n] = v;
+                    }
+                }
+            }
+            for (; k < k1; k++)
+                for (int64_t b = 0; b < B; b++) {
+                    const float xk = x[b * K + k];
+                    for (int64_t n = 0; n < N; n++) mine[b * N + n] += xk * w[k * N + n];
+                }
+        }  // implicit barrier: every partial is complete
+        // the threads' partials summed, bias and epilogue, over slices of the outputs
+        const int64_t per_row = (N + SLICE - 1) / SLICE;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < B * per_row; s++) {
+            const int64_t b = s / per_row, n0 = s % per_row * SLICE, n1 = n0 + SLICE < N ? n0 + SLICE : N;
+            float sum[SLICE];
+            memcpy(sum, partial.data() + b * N + n0, (n1 - n0) * sizeof(float));
+            for (int t = 1; t < omp_get_num_threads(); t++) {
+                const float* p = partial.data() + t * B * max_cols_n + b * N + n0;
+                for (int64_t i = 0; i < n1 - n0; i++) sum[i] += p[i];
+            }
+            finish(y + b * y_stride + n0, sum, W.bias ? W.bias + n0 : nullptr, n1 - n0, op);
+        }  // implicit barrier
+    }
+
+    // A span of rows is read as four far-apart streams, row i of each quarter together in one dot4:
+    // a core keeps more reads in flight over four streams than over one (a step 12-17% faster, measured).
+    template <typename T, bool bf16>
+    void rows(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+        const int64_t K = W.K;
+        const T* w = (const T*)W.weight;
+        float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+            const int64_t n = r1 - r0, q = K % 8 == 0 ? n / 4 : 0;
+            float out[4];
+            for (int64_t i = 0; i < q; i++)
+                for (int64_t b = 0; b < B; b++) {
+                    dot4<T, bf16>(x + b * K, w + (r0 + i) * K, q * K, K, b == 0, out);
+                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j];
+                }
+            for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave (the head's last row; odd K)
+                for (int64_t b = 0; b < B; b++) {
+                    float s = 0.0f;
+                    for (int64_t k = 0; k < K; k++) s += x[b * K + k] * widen(w[r * K + k], bf16);
+                    mine[b * n + r - r0] = s;
+                }
+            for (int64_t b = 0; b < B; b++)
+                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
+        });  // implicit barrier
+    }
+
+    void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+        const int64_t K = W.K, nb = K / 32;
+        // every thread quantizes x for itself (a few microseconds): no barrier before the rows
+        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;
+        float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
+        gpt2attn::quantize_q8(x, B * nb, xq_mine, xs_mine);
+        const int8_t* w = (const int8_t*)W.weight;
+        float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+            const int64_t n = r1 - r0, q = n / 4;
+            float out[4];
+            for (int64_t i = 0; i < q; i++)
+                for (int64_t b = 0; b < B; b++) {
+                    dot4_q8(xq_mine + b * K, xs_mine + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
+                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j] * W.scale[r0 + i + j * q];
+                }
+            for (int64_t r = r0 + 4 * q; r < r1; r++)
+                for (int64_t b = 0; b < B; b++) {
+                    float total = 0.0f;
+                    for (int64_t j = 0; j < nb; j++) {
+                        int32_t s = 0;
+                        for (int i = 0; i < 32; i++) s += (int32_t)xq_mine[b * K + 32 * j + i] * w[r * K + 32 * j + i];
+                        total += xs_mine[b * nb + j] * (float)s;
+                    }
+                    mine[b * n + r - r0] = total * W.scale[r];
+                }
+            for (int64_t b = 0; b < B; b++)
+                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
+        });  // implicit barrier
+    }
+};
+
+// One (row, head) of a step's attention: the new key k and value v (hs) go to index pos of the
+// row's cache (keys, values (capacity, hs)), then y (hs) = softmax(q . keys / scale) values over the
+// T = pos + 1 cached positions, those key_mask (T), where given, marks 0 left out. p: T floats of scratch.
+void attend(const float* q, const float* k, const float* v, float* keys, float* values, int64_t pos, int64_t hs,
+            float scale, const int64_t* key_mask, float* p, float* y) {
+    memcpy(keys + pos * hs, k, hs * sizeof(float));
+    memcpy(values + pos * hs, v, hs * sizeof(float));
+    const int64_t T = pos + 1;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < T; t++) {
+        p[t] = key_mask && !key_mask[t] ? -INFINITY : dot(q, keys + t * hs, hs) * scale;
+        top = p[t] > top ? p[t] : top;
+    }
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) _mm256_storeu_ps(p + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top))));
+    for (; t < T; t++) p[t] = std::exp(p[t] - top);
+    float total = 0.0f;
+    for (t = 0; t < T; t++) {
+        if (key_mask && !key_mask[t]) p[t] = 0.0f;  // exp8 gives e^-87 for -inf, not 0
+        total += p[t];
+    }
+    memset(y, 0, hs * sizeof(float));
+    for (t = 0; t < T; t++) axpy(y, p[t] / total, values + t * hs, hs);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y (B, N) = x (B, K) . W + bias on `threads` threads. Returns 0, or -1 (and computes nothing)
+// for a kind it does not know or an int8 matrix whose K is not a multiple of 32.
+int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int threads) {
+    if (!is_kind(W->kind) || (W->kind == ROWS_Q8 && W->K % 32 != 0)) return -1;
+    Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K);
+#pragma omp parallel num_threads(threads)
+    products.product(*W, x, y, W->N, STORE);
+    return 0;
+}
+
+// x (B, K), K a multiple of 32 -> xq (B, K) int8 and xs (B, K/32): per block scale = max|x|/127,
+// xq = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
+void gpt2attn_quantize_q8(const float* x, int64_t B, int64_t K, int8_t* xq, float* xs) {
+    gpt2attn::quantize_q8(x, B * K / 32, xq, xs);
+}
+
+// logits (B, V) of the tokens after ids (B), at positions (B) (null: pos for every row), each
+// row's cache holding pos entries, of which key_mask (B, capacity) (null: all) marks those to
+// attend to; writes the new keys and values into kv (n_layer, 2, B, nh, capacity, hs) at index pos.
+// Returns 0, or (computing nothing) -1 when a matrix's sizes or kind do not fit the model's (the
+// buffers assume them), -2 for an id outside the vocabulary, -3 for a position past the model's
+// or an index past the cache's.
+int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* positions, const int64_t* key_mask,
+                          int64_t B, int64_t pos, float* kv, int64_t capacity, float* logits, int threads) {
+    const Model& m = *model;
+    const int64_t C = m.n_embd, nh = m.n_head, hs = C / nh, inner = m.n_inner, V = m.vocab_size;
+    auto fits = [](const Matrix& w, int64_t K, int64_t N) {
+        return w.K == K && w.N == N && is_kind(w.kind) && (w.kind != ROWS_Q8 || K % 32 == 0);
+    };
+    bool ok = fits(m.lm_head, C, V) && m.lm_head.kind != COLS_F32 && hs * nh == C;  // the head is rows: no partials of V
+    for (int64_t l = 0; l < m.n_layer; l++) {
+        const Layer& L = m.layers[l];
+        ok = ok && fits(L.c_attn, C, 3 * C) && fits(L.attn_proj, C, C) && fits(L.c_fc, C, inner) && fits(L.mlp_proj, inner, C);
+    }
+    if (!ok) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        if (ids[b] < 0 || ids[b] >= V) return -2;
+        if ((positions ? positions[b] : pos) < 0 || (positions ? positions[b] : pos) >= m.n_positions) return -3;
+    }
+    if (pos < 0 || pos >= capacity) return -3;
+    const int64_t widest = 3 * C > inner ? 3 * C : inner;
+    Products products(B, threads, widest, V > widest ? V : widest, inner > C ? inner : C);
+    std::vector<float> x(B * C), h(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, normed, ...
+    std::vector<float> scores(threads * (pos + 1));
+
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const float* wpe = m.wpe + (positions ? positions[b] : pos) * C;
+            for (int64_t i = 0; i < C; i++) x[b * C + i] = m.wte[ids[b] * C + i] + wpe[i];
+        }
+        for (int64_t l = 0; l < m.n_layer; l++) {
+            const Layer& L = m.layers[l];
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_1_weight, L.ln_1_bias, m.eps, C, &h[b * C]);
+            products.product(L.c_attn, h.data(), qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
+            float* p = scores.data() + omp_get_thread_num() * (pos + 1);
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * nh; bh++) {
+                const int64_t b = bh / nh, head = bh % nh;
+                const float* q = &qkv[b * 3 * C + head * hs];
+                float* keys = kv + (((l * 2 + 0) * B + b) * nh + head) * capacity * hs;  // (capacity, hs)
+                float* values = kv + (((l * 2 + 1) * B + b) * nh + head) * capacity * hs;
+                attend(q, q + C, q + 2 * C, keys, values, pos, hs, L.attn_scale, key_mask ? key_mask + b * capacity : nullptr,
+                       p, &att[b * C + head * hs]);
+            }
+            products.product(L.attn_proj, att.data(), x.data(), C, ADD);  // x += attn
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_2_weight, L.ln_2_bias, m.eps, C, &h[b * C]);
+            products.product(L.c_fc, h.data(), f.data(), inner, GELU);  // (B, inner)
+            products.product(L.mlp_proj, f.data(), x.data(), C, ADD);   // x += mlp
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], m.ln_f_weight, m.ln_f_bias, m.eps, C, &h[b * C]);
+        products.product(m.lm_head, h.data(), logits, V, STORE);  // (B, V)
+    }
+    return 0;
+}
+
+}  // extern "C"
