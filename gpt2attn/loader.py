@@ -114,13 +114,14 @@ def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device,
     skip = {"lm_head.weight"} if tied else set()
     new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
     info = forgive(state, expected, skip | set(new_head), lenient, where)
-    check_state(state, expected, skip=skip | set(new_head) | info["missing_keys"], where=where)
+    info["missing_keys"] |= set(new_head)  # a head the checkpoint lacks is reported too, as transformers does
+    check_state(state, expected, skip=skip | info["missing_keys"], where=where)
     device = torch.device(device) if device is not None else None
     if dtype is None:  # a checkpoint mixing float dtypes is cast to its token embedding's, so the model runs
         stored = {t.dtype for t in state.values() if t.is_floating_point()}
         wte = state.get("transformer.wte.weight", state.get("wte.weight"))
         dtype = wte.dtype if len(stored) > 1 and wte is not None else None
-    to_init = new_head + sorted(info["missing_keys"])
+    to_init = sorted(info["missing_keys"])
     if to_init:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         init_new_head(model, to_init, config, device, dtype or stored)

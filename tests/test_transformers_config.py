@@ -155,6 +155,9 @@ def test_from_pretrained_loading_report(tmp_path):
     loaded, info = GPT2Model.from_pretrained(tmp_path, output_loading_info=True)
     assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
     assert max_diff(loaded.wte.weight, model.transformer.wte.weight) == 0.0
+    with pytest.warns(UserWarning, match="has weights the checkpoint lacks"):
+        _, info = gpt2attn.GPT2DoubleHeadsModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"multiple_choice_head.summary.weight", "multiple_choice_head.summary.bias"}
     # a head with another number of labels: refused, unless mismatched sizes are forgiven
     head = gpt2attn.GPT2ForSequenceClassification(tiny_config(pad_token_id=0))
     head.save_pretrained(tmp_path / "head")
