@@ -203,3 +203,21 @@ def test_gradient_checkpointing_set_in_the_config_is_on():
     model = GPT2LMHeadModel(tiny_config(gradient_checkpointing=True))
     assert model.is_gradient_checkpointing
     assert not GPT2LMHeadModel(tiny_config()).is_gradient_checkpointing
+
+
+def test_generate_continues_from_a_cache_with_the_whole_sequence_embedded():
+    """transformers' form: inputs_embeds of every position, the cached ones too; the new tokens are the
+    same as one generate call of the whole length, and as transformers' continuation."""
+    torch.manual_seed(0)
+    model = randomize(GPT2LMHeadModel(tiny_config())).eval()
+    twin = hf_twin(model)
+    kw = dict(do_sample=False, eos_token_id=-1, pad_token_id=0, return_dict_in_generate=True)
+    embeds = model.transformer.wte(IDS).detach()
+    whole = model.generate(inputs_embeds=embeds, max_new_tokens=4, **kw).sequences
+    first = model.generate(inputs_embeds=embeds, max_new_tokens=3, **kw)
+    continued = torch.cat([embeds, model.transformer.wte(first.sequences).detach()], dim=1)
+    last = model.generate(inputs_embeds=continued, max_new_tokens=1, past_key_values=first.past_key_values, **kw)
+    assert torch.equal(torch.cat([first.sequences, last.sequences], dim=1), whole)
+    hf_first = twin.generate(inputs_embeds=embeds, max_new_tokens=3, **kw)
+    hf_last = twin.generate(inputs_embeds=continued, max_new_tokens=1, past_key_values=hf_first.past_key_values, **kw)
+    assert torch.equal(last.sequences, hf_last.sequences)

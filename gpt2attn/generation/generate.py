@@ -209,6 +209,9 @@ class _Prompt:
         if past_cache is not None and past_cache.batch_size != B:
             raise ValueError(f"past_key_values hold batch size {past_cache.batch_size}, the prompt has {B}")
 
+        if embeds is not None and ids is None and 0 < past_len < embeds.size(1):
+            # transformers' other form: the embeddings of the whole sequence, the cached positions too
+            embeds = embeds[:, past_len:]
         if embeds is not None:  # the prompt is the embeddings; input_ids given are the tokens out starts with:
             # the cached ones, or those and the ones the embeddings stand for (as transformers returns them)
             if ids is not None and ids.size(1) not in (past_len, past_len + embeds.size(1)):
