@@ -28,6 +28,11 @@ class CheckpointError(ValueError):
         super().__init__(f"{file}: {message}")
 
 
+class ShapeMismatchError(CheckpointError, RuntimeError):
+    """A checkpoint with tensors of other shapes than the model's: a CheckpointError, and also the
+    RuntimeError transformers raises for it, so code written for transformers catches it."""
+
+
 def shorten(items: list, count: int = 10, width: int = 120, sep: str = ", ") -> str:
     """items joined for a message: at most `count` of them, each cut to `width` characters."""
     shown = [item if len(item) <= width else item[: width - 3] + "..." for item in map(str, items[:count])]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config
-from .errors import CheckpointError, shorten
+from .errors import CheckpointError, ShapeMismatchError, shorten
 from .formats import detect_format, weights_file
 from .formats.nanogpt import from_nanogpt
 from .formats.state_dict import BODY_PREFIXES, check_state_dict, infer_config, layer_indices, normalize_keys, resolve_dtype
@@ -229,7 +229,9 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set
         elif name in expected and not tensor.is_floating_point():
             problems.append(f"{name} holds {str(tensor.dtype).removeprefix('torch.')} values, not floating point")
     if problems:
-        raise CheckpointError(where, "checkpoint does not fit the model; " + shorten(problems, 8, 400, sep="; "))
+        message = "checkpoint does not fit the model; " + shorten(problems, 8, 400, sep="; ")
+        shapes = any(p.startswith("shape mismatch") for p in problems)
+        raise (ShapeMismatchError if shapes else CheckpointError)(where, message)
 
 
 def check_layers(config: GPT2Config, state: dict[str, Tensor], where: str) -> None:

@@ -163,6 +163,8 @@ def test_from_pretrained_loading_report(tmp_path):
     head.save_pretrained(tmp_path / "head")
     with pytest.raises(gpt2attn.CheckpointError, match="shape mismatch for score.weight"):
         gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5)
+    with pytest.raises(RuntimeError, match="shape mismatch for score.weight"):  # what transformers raises
+        gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5)
     with pytest.warns(UserWarning, match="weights of the wrong shape, newly initialised: score.weight"):
         five = gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5,
                                                                        ignore_mismatched_sizes=True)
