@@ -154,12 +154,15 @@ class Attention(nn.Module):
         dropout_p = self.attn_dropout.p if self.training else 0.0
 
         weights = None
-        # An additive mask may swamp whole rows (see padding_mask): only the textbook formula's
-        # gradient is exact there.
-        additive = mask is not None and mask.is_floating_point()
+        # A query that may see no key at all (left padding, an encoder row of padding alone) gets
+        # what transformers gives it on the same backend: equal weights on every key with the
+        # textbook formula ("eager"), nothing at all from PyTorch's fused kernel ("sdpa").
+        additive = mask is not None and mask.is_floating_point()  # a caller's 4-D mask: as it is
         if output_attentions or head_mask is not None or self.upcast or self.textbook or additive:
             if causal and mask is None and T_q > 1:
                 mask = causal_mask(T_q, T_k, q.device)
+            elif mask is not None and not additive:
+                mask = padding_mask(mask, q.dtype)
             y, weights = scaled_dot_product_attention(q, k, v, mask, self.scale, dropout_p, head_mask, self.upcast)
             tapped = tap("weights", weights)
             if tapped is not weights:  # edited: mix the values with the new weights
@@ -169,9 +172,15 @@ class Attention(nn.Module):
             is_causal = True if causal and mask is None and T_q == T_k and T_q > 1 else False
             if causal and mask is None and 1 < T_q < T_k:
                 mask = causal_mask(T_q, T_k, q.device)
+            sees_nothing = None
+            if mask is not None:
+                sees_nothing = ~mask.any(dim=-1, keepdim=True)  # (B, 1, T_q, 1)
+                mask = mask | sees_nothing  # a finite softmax there, whose output is then dropped
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
             )
+            if sees_nothing is not None:
+                y = y.masked_fill(sees_nothing, 0.0)
         y = tap("heads", y)  # (B, nh, T, hs), each head's output before c_proj
         y = self.resid_dropout(self.c_proj(self.merge_heads(y)))
         return tap("out", y), weights
@@ -268,12 +277,12 @@ class LMHead(nn.Linear):
 
 
 def encoder_attention(
-    config: GPT2Config, encoder_hidden_states: Tensor | None, mask: Tensor | None, B: int, dtype: torch.dtype
+    config: GPT2Config, encoder_hidden_states: Tensor | None, mask: Tensor | None, B: int
 ) -> Tensor | None:
     """Check the encoder's states (B, T_enc, n_embd) and return the mask cross-attention uses.
 
-    A 2-D (B, T_enc) padding mask (1 = token, 0 = padding) becomes (B, 1, 1, T_enc) (see
-    padding_mask); a 4-D one is used as it is; None lets every query see every encoder position.
+    A 2-D (B, T_enc) padding mask (1 = token, 0 = padding) becomes a bool (B, 1, 1, T_enc) (a row
+    of padding alone: see Attention.forward); a 4-D one is used as it is; None lets every query see every encoder position.
     """
     if encoder_hidden_states is None:
         if mask is not None:
@@ -295,16 +304,16 @@ def encoder_attention(
             f"encoder_attention_mask has shape {tuple(mask.shape)}, expected {shape[:2]} = "
             f"(batch, encoder positions) or a 4-D mask"
         )
-    return padding_mask(mask.bool()[:, None, None, :], dtype)  # (B, 1, 1, T_enc)
+    return mask.bool()[:, None, None, :]  # (B, 1, 1, T_enc)
 
 
 def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """The mask attention uses for `allowed` (bool, True = may attend, (B, 1, T_q, T_k)).
+    """The mask the textbook formula uses for `allowed` (bool, True = may attend, (B, 1, T_q, T_k)).
 
     As it is when every query may see some key. Otherwise additive, as transformers' eager
     attention builds it: 0 where allowed, else dtype's lowest value, which swamps the scores so
     that a query seeing no key (left padding, an encoder row of padding alone) spreads equal
-    weights over all keys. Attention then takes the textbook path, whose gradient is exact there.
+    weights over all keys, with transformers' gradient there too.
     """
     if not torch.compiler.is_compiling() and allowed.any(dim=-1).all():
         return allowed

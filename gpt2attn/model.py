@@ -20,7 +20,7 @@ from .attention import causal_mask
 from .cache import KVCache, as_cache, takes_past_key_values, write_back
 from .config import GPT2Config, is_int
 from .generation import GenerationMixin
-from .layers import Block, LMHead, encoder_attention, init_weights, padding_mask
+from .layers import Block, LMHead, encoder_attention, init_weights
 from .outputs import BaseModelOutput, CausalLMOutput
 from .pretrained import GPT2PreTrainedModel
 
@@ -100,9 +100,9 @@ class GPT2Model(GPT2PreTrainedModel):
             x = x + self.wte(_check_ids("token_type_ids", token_type_ids, B, T, cfg.vocab_size, device))
         x = self.drop(x)
 
-        mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head, x.dtype)
+        mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head)
         head_mask = _layer_head_masks(head_mask, cfg.n_layer, cfg.n_head, x.dtype)
-        encoder_mask = encoder_attention(cfg, encoder_hidden_states, encoder_attention_mask, B, x.dtype)
+        encoder_mask = encoder_attention(cfg, encoder_hidden_states, encoder_attention_mask, B)
 
         checkpointing = self.gradient_checkpointing and self.training
         if checkpointing and self.gradient_checkpointing_kwargs.get("use_reentrant") and not x.requires_grad:
@@ -327,14 +327,14 @@ def _check_ids(name: str, ids: Any, B: int, T: int, limit: int, device: torch.de
 
 
 def _build_mask(
-    attention_mask: Tensor | None, B: int, T: int, past_len: int, n_head: int, dtype: torch.dtype
+    attention_mask: Tensor | None, B: int, T: int, past_len: int, n_head: int
 ) -> Tensor | None:
     """The mask every layer uses: None for plain causal attention, else (B, 1, T, T_k).
 
     A 2-D padding mask (1 = token, 0 = padding) over all T_k = past_len + T positions is
-    combined with the causal mask; a query that may see no key at all (padding at the left edge)
-    then gets equal weights on every key, as in transformers' eager attention (see
-    layers.padding_mask). A 4-D mask (bool or additive) is used as it is, except that a query
+    combined with the causal mask into a bool mask; a query that may see no key at all (padding at
+    the left edge) gets what transformers' backend of the same name gives it (see
+    layers.Attention.forward). A 4-D mask (bool or additive) is used as it is, except that a query
     it lets see nothing (a row of False or -inf) sees every key instead, so its softmax stays
     finite on both attention paths; nothing real attends to it.
     """
@@ -352,8 +352,7 @@ def _build_mask(
         keep = attention_mask.bool()
         if not torch.compiler.is_compiling() and keep.all():
             return None
-        allowed = causal_mask(T, T_k, attention_mask.device) & keep[:, None, None, :]  # (B, 1, T, T_k)
-        return padding_mask(allowed, dtype)
+        return causal_mask(T, T_k, attention_mask.device) & keep[:, None, None, :]  # (B, 1, T, T_k)
     if attention_mask.dim() == 4:
         b, h, q, k = attention_mask.shape
         if b not in (1, B) or h not in (1, n_head) or q != T or k != T_k:

@@ -65,9 +65,10 @@ def test_parity_logits_weights_and_gradients(models, mask):
 
 
 @torch.no_grad()
-def test_an_encoder_row_of_padding_alone_spreads_equal_weights_as_transformers(models):
-    """A decoder row whose encoder positions are all padding attends to every one of them alike
-    (transformers adds the dtype's lowest value, not -inf: no NaN)."""
+def test_an_encoder_row_of_padding_alone_as_transformers_on_each_backend(models):
+    """A decoder row whose encoder positions are all padding: with the weights asked for (the
+    textbook formula, transformers' eager) it attends to every one of them alike (the dtype's lowest
+    value is added, not -inf: no NaN); with PyTorch's kernel (transformers' sdpa) it gets nothing."""
     ours, hf = models
     ids, enc, enc_mask = inputs()
     enc_mask[1] = 0
@@ -77,7 +78,13 @@ def test_an_encoder_row_of_padding_alone_spreads_equal_weights_as_transformers(m
     for x, y in zip(a.cross_attentions, b.cross_attentions):
         assert max_diff(x, y) < 1e-5
         assert max_diff(x[1], torch.full_like(x[1], 1 / T_ENC)) < 1e-6
-    assert max_diff(ours(ids, encoder_hidden_states=enc, encoder_attention_mask=enc_mask).logits, b.logits) < 1e-5
+    # without the weights ("sdpa"): that row gets nothing from cross-attention, as transformers' sdpa gives it
+    kwargs = dict(encoder_hidden_states=enc, encoder_attention_mask=enc_mask)
+    sdpa = hf_twin(ours, "sdpa")
+    assert max_diff(ours(ids, **kwargs).logits, sdpa(ids, **kwargs).logits) < 1e-5
+    corrupted = enc.clone()
+    corrupted[1] = 1e6  # the padded encoder states do not matter
+    assert torch.equal(ours(ids, **kwargs).logits, ours(ids, **{**kwargs, "encoder_hidden_states": corrupted}).logits)
 
 
 def test_cache_prefill_and_steps(models):

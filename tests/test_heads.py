@@ -24,11 +24,12 @@ PAD = 5
 
 
 def twin(model):
-    """transformers' class of the same name, same config, this model's weights; same train/eval mode."""
+    """transformers' class of the same name, same config, this model's weights; same train/eval mode and
+    attention backend (a padded row that sees no key differs between backends, in transformers too)."""
     import transformers
 
     hf_config = transformers.GPT2Config.from_dict(model.config.to_dict())
-    hf_config._attn_implementation = "eager"
+    hf_config._attn_implementation = model.config._attn_implementation
     hf = getattr(transformers, type(model).__name__)(hf_config)
     hf.load_state_dict(model.state_dict(), strict=True)
     return hf.train(model.training)
@@ -210,7 +211,7 @@ def test_save_load_both_ways(tmp_path, cls):
     ids, mask = padded_batch()
     field = "start_logits" if cls is GPT2ForQuestionAnswering else "logits"
     ours.save_pretrained(tmp_path / "ours")
-    hf = getattr(transformers, cls.__name__).from_pretrained(tmp_path / "ours", attn_implementation="eager")
+    hf = getattr(transformers, cls.__name__).from_pretrained(tmp_path / "ours")  # sdpa, as ours
     assert max_diff(hf(ids, attention_mask=mask)[field], ours(ids, attention_mask=mask)[field]) < 1e-5
     hf.save_pretrained(tmp_path / "hf")
     back = cls.from_pretrained(tmp_path / "hf")
@@ -250,7 +251,9 @@ def test_lm_checkpoint_into_a_head_initialises_the_head_with_a_warning(tmp_path)
 
 @torch.no_grad()
 def test_inspect_through_a_head():
-    ours, hf = pair(GPT2ForSequenceClassification, pad_token_id=PAD, num_labels=3)
+    ours, _ = pair(GPT2ForSequenceClassification, pad_token_id=PAD, num_labels=3)
+    ours.set_attn_implementation("eager")  # weights are the textbook formula's: transformers returns them on eager
+    hf = twin(ours)
     ids, mask = padded_batch()
     with inspect.capture(ours, layers=[1], names=["weights", "resid_post"]) as acts:
         logits = ours(ids, attention_mask=mask).logits

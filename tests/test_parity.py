@@ -237,7 +237,22 @@ def test_sdpa_fast_path_equals_eager_path():
     for kwargs in ({}, {"attention_mask": mask}):
         fast = ours(x, **kwargs).logits  # F.scaled_dot_product_attention
         eager = ours(x, output_attentions=True, **kwargs).logits  # textbook softmax(qkᵀ/√d + mask)v
-        assert max_diff(fast, eager) <= ATOL
+        real = mask.bool()  # a padded query that sees no key differs by design (see test_padded_rows_...)
+        assert max_diff(fast[real], eager[real]) <= ATOL
+
+
+def test_padded_rows_follow_transformers_on_each_backend():
+    """Left padding: a padded position sees no key. transformers' eager spreads equal weights over the
+    keys there, its sdpa adds nothing; ours does the same on the backend of the same name, so whole
+    tensors equal transformers' (tools compare them)."""
+    ours, _ = make_pair(attn_pdrop=0.0)
+    x = ids(2, 12)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    for backend in ("sdpa", "eager"):
+        ours.set_attn_implementation(backend)
+        assert max_diff(ours(x, attention_mask=mask).logits, hf_twin(ours, backend)(x, attention_mask=mask).logits) <= ATOL
+    assert max_diff(ours(x, attention_mask=mask).logits[0, :3], hf_twin(ours, "sdpa")(x, attention_mask=mask).logits[0, :3]) > 0.1
 
 
 def test_state_dicts_load_both_ways_strictly():
