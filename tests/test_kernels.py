@@ -121,6 +121,27 @@ def test_a_compiler_without_avx512_builds_the_avx2_kernels(monkeypatch, tmp_path
         K.library.cache_clear()
 
 
+@needs_kernels
+def test_a_first_build_says_so_once_and_a_cached_one_says_nothing(monkeypatch, tmp_path, capfd):
+    built = K._build()  # the library already in the cache; a stand-in compiler copies it to its -o path
+    copies = tmp_path / "cxx"
+    copies.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp {built} "$2"\n')
+    copies.chmod(0o755)
+    monkeypatch.setattr(K, "_compiler", lambda: str(copies))
+    monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path / "cache"))
+    K.library.cache_clear()
+    try:
+        capfd.readouterr()
+        assert K.library() is not None
+        assert capfd.readouterr().err == ("gpt2attn: compiling the CPU decoding kernels for this CPU, once "
+                                          f"(cached in {tmp_path / 'cache' / 'kernels'})\n")
+        K.library.cache_clear()  # a new process, as far as the build is concerned: the cache holds it now
+        assert K.library() is not None
+        assert capfd.readouterr().err == ""
+    finally:
+        K.library.cache_clear()
+
+
 def test_unusable_names_the_reason(monkeypatch):
     monkeypatch.setenv("GPT2ATTN_KERNELS", "0")
     assert K._unusable() == "GPT2ATTN_KERNELS=0"

@@ -17,8 +17,8 @@ VL, DQ and VNNI) it is built with those too, and the rows products then take 16 
 int8 a step (gpt2attn/kernels/simd.h; GPT2ATTN_AVX512=0 builds the AVX2 kernels alone). It is
 compiled on first use with the system's C++ compiler ($CXX, else g++ or c++) into a cache folder
 ($GPT2ATTN_CACHE, else ~/.cache/gpt2attn) under a name keyed by the source, the flags and this
-CPU, so another machine or a changed source builds afresh (about 2 s), and loaded with ctypes; a
-compiler that cannot build the AVX-512 kernels builds the AVX2 ones. It links the OpenMP runtime
+CPU, so another machine or a changed source builds afresh (seconds; one line on stderr says so),
+and loaded with ctypes; a compiler that cannot build the AVX-512 kernels builds the AVX2 ones. It links the OpenMP runtime
 torch already loaded (libgomp), so its threads are torch's. Where the CPU lacks AVX2, FMA
 or F16C, on non-Linux systems, without a compiler, or with GPT2ATTN_KERNELS=0, every product
 takes its reference (a one-line warning says why, once).
@@ -32,6 +32,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import lru_cache
@@ -60,6 +61,9 @@ def library() -> ctypes.CDLL | None:
     why = _unusable()
     if why is None:
         wanted = flags()
+        if not _target(wanted).exists():  # said once: a first build takes seconds with nothing else on screen
+            print(f"gpt2attn: compiling the CPU decoding kernels for this CPU, once (cached in {cache_dir()})",
+                  file=sys.stderr, flush=True)
         for build_flags in [wanted] + ([FLAGS] if wanted != FLAGS else []):  # a compiler without AVX-512: AVX2 alone
             try:
                 lib = _bind(ctypes.CDLL(str(_build(build_flags))))
@@ -129,16 +133,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPT2ATTN_CACHE") or Path.home() / ".cache" / "gpt2attn") / "kernels"
 
 
+def _target(build_flags: list[str]) -> Path:
+    """The cached library built from these sources with build_flags by this compiler for this CPU."""
+    key = hashlib.sha256()
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(build_flags).encode(), _compiler().encode(), _cpu_name().encode(),
+                 " ".join(sorted(_cpu_flags())).encode()):
+        key.update(part)
+    return cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
+
+
 def _build(build_flags: list[str] | None = None) -> Path:
     """Compile the kernels for this CPU with build_flags (default: flags()) into the cache (once per
     source, flags and CPU)."""
     compiler = _compiler()
-    key = hashlib.sha256()
     build_flags = flags() if build_flags is None else build_flags
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(build_flags).encode(), compiler.encode(), _cpu_name().encode(),
-                 " ".join(sorted(_cpu_flags())).encode()):
-        key.update(part)
-    target = cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
+    target = _target(build_flags)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
