@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -29,13 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line, median_seconds
+from bench_common import SHARED_DATA, machine_line, median_seconds
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.explore import explore
 from gpt2attn.tokenizer import encode, load_tokenizer
 
-SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"
 PARTS = {"attention weights": ["attn"], "neuron view (q, k)": ["q", "k"], "layers view (logit lens)": ["lens"],
          "thumbnails": ["thumbs"]}  # the rest: tokens, top-5s, ablations, settings
