@@ -268,3 +268,56 @@ def test_adapter_methods_as_transformers_and_files_cross_load(tmp_path):
     assert list(ours.peft_config) == ["default"]
     with pytest.raises(ValueError, match="not found"):
         ours.set_adapter("two")
+
+
+@pytest.mark.slow  # peft's import
+def test_disable_and_enable_adapters_switch_a_trained_modules_to_save_copy_too():
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    base = ours(ids).logits
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"]))
+    with torch.no_grad():  # "train" the head's copy; LoRA's B starts at zero, so the copy alone moves the logits
+        ours.lm_head.modules_to_save["default"].weight.add_(0.5)
+    adapted = ours(ids).logits
+    assert max_diff(adapted, base) > 1e-2
+    ours.disable_adapters()
+    assert max_diff(ours(ids).logits, base) == 0
+    ours.enable_adapters()
+    assert max_diff(ours(ids).logits, adapted) == 0
+
+
+@pytest.mark.slow
+def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(tmp_path):
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    keys = list(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    base = ours(ids).logits
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
+                                     init_lora_weights=False))
+    assert max_diff(ours(ids).logits, base) > 1e-2
+    ours.delete_adapter("default")
+    assert not hasattr(ours, "peft_config") and list(ours.state_dict()) == keys
+    assert max_diff(ours(ids).logits, base) == 0
+    ours.save_pretrained(tmp_path)  # the whole model again, not an adapter
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert max_diff(GPT2LMHeadModel.from_pretrained(tmp_path).eval()(ids).logits, base) == 0
+    with pytest.raises(ValueError, match="No adapter loaded"):
+        ours.active_adapters()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, trainable):
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    ours.save_pretrained(tmp_path)
+    fresh, _ = twins()
+    fresh.train()
+    fresh.load_adapter(tmp_path, is_trainable=trainable)
+    assert fresh.peft_config["default"].inference_mode is not trainable
+    assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
+    lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
+    assert lora and all(g is trainable for g in lora)
