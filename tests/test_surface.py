@@ -173,12 +173,13 @@ def test_model_parts_tags_and_dummy_inputs_as_transformers():
     assert ours.transformer is body
 
 
-@pytest.mark.parametrize("keep", [0, 1, 3, "positions", "rows", "mask"])
+@pytest.mark.parametrize("keep", [0, 1, 3, 9, "positions", "rows", "positions mask", "mask"])
 def test_logits_to_keep_as_transformers(keep):
+    """Every documented form: an int (the last n positions; 0 all), 1-D and 2-D index tensors, 1-D and 2-D bool masks."""
     ours, theirs = twins()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     keep = {"positions": torch.tensor([0, 4, 8]), "rows": torch.tensor([[1, 2], [3, 8]]),
-            "mask": torch.arange(18).view(2, 9) % 3 == 0}.get(keep, keep)
+            "positions mask": torch.arange(9) % 2 == 0, "mask": torch.arange(18).view(2, 9) % 3 == 0}.get(keep, keep)
     a, b = ours(ids, logits_to_keep=keep).logits, theirs(ids, logits_to_keep=keep).logits
     assert a.shape == b.shape and max_diff(a, b) < 1e-5
 
@@ -220,6 +221,22 @@ def test_transformers_generation_config_everywhere(tmp_path):
     with pytest.raises(ValueError, match="diversity_penalty"):
         ours.generate(ids, generation_config=transformers.GenerationConfig(num_beams=2, num_beam_groups=2,
                                                                            diversity_penalty=1.0))
+
+
+def test_a_transformers_generation_config_keeps_the_models_eos_where_it_sets_none():
+    """transformers fills the fields a passed GenerationConfig leaves unset from the model's own:
+    the model's eos still ends the run."""
+    ours, _ = twins()
+    ids = torch.randint(6, 97, (1, 5), generator=torch.Generator().manual_seed(1))
+    free = ours.generate(ids, max_new_tokens=8, eos_token_id=None)
+    eos = int(free[0, 7])  # the third new token: with it as eos the run stops there
+    ours, theirs = twins(eos_token_id=eos)
+    passed = transformers.GenerationConfig(max_new_tokens=8, do_sample=False)
+    assert passed.eos_token_id is None
+    stopped = ours.generate(ids, generation_config=passed)
+    assert torch.equal(stopped, theirs.generate(ids, generation_config=passed))
+    assert stopped.size(1) <= 8 and int(stopped[0, -1]) == eos
+    assert ours.generation_config.eos_token_id == eos and passed.eos_token_id is None  # neither is changed
 
 
 @pytest.mark.slow  # importing peft takes most of its 15 s
