@@ -240,3 +240,12 @@ def test_bad_input_gets_an_error_naming_it(tmp_path, build, error, fragment):
     assert fragment in message
     if named is not None:
         assert str(named) in message
+
+
+def test_a_long_list_in_a_message_shows_ten_and_counts_the_rest():
+    from gpt2attn.errors import shorten
+
+    keys = [f"key{i}" for i in range(12)]
+    assert shorten(keys) == ", ".join(keys[:10]) + ", and 2 more"
+    assert shorten(keys[:10]) == ", ".join(keys[:10])
+    assert shorten(["x" * 121, "y" * 120]) == "x" * 117 + "..., " + "y" * 120  # each item cut to 120 characters

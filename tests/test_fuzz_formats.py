@@ -305,9 +305,9 @@ def documented_bounds() -> dict[str, int]:
     for line in HOSTILE_PAGE.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         match = re.search(r"(?:–|≤)\s*([\d,]+)", cells[1]) if len(cells) > 2 else None
-        if match and cells[0].startswith(("`", "JSON nesting")):
-            name = "json_depth" if cells[0].startswith("JSON nesting") else cells[0].split("`")[1]
-            bounds[name] = int(match.group(1).replace(",", ""))
+        if match and cells[0].startswith(("`", "JSON nesting", "JSON integers")):
+            name = {"JSON nesting": "json_depth", "JSON integers": "json_digits"}.get(cells[0].split(",")[0])
+            bounds[name or cells[0].split("`")[1]] = int(match.group(1).replace(",", ""))
     return bounds
 
 
@@ -361,3 +361,27 @@ def test_each_size_is_held_to_its_own_documented_bound(name):
     assert (made.num_labels if name == "num_labels" else getattr(made, name)) == bound
     with pytest.raises(ValueError, match=rf"GPT2Config\.{name} is {bound + 1}, above gpt2attn's limit of {bound} "):
         config(bound + 1)
+
+
+def test_json_text_reads_as_its_bytes_and_what_it_cannot_read_is_our_error():
+    from gpt2attn.errors import read_json
+
+    assert read_json('{"a": [1, "é"]}', "f.json") == {"a": [1, "é"]}  # text as well as bytes
+    assert read_json('{"a": "\ud800"}', "f.json") == {"a": "\ud800"}  # a lone surrogate, as json.loads takes it
+    with pytest.raises(CheckpointError) as err:
+        read_json(b"{oops", "f.json")
+    assert str(err.value).startswith("f.json: not valid JSON (")  # the default `what`, then the parser's words
+
+
+def test_json_integers_of_the_documented_digits_load_and_one_more_does_not(tmp_path):
+    from gpt2attn.errors import read_json_file
+
+    digits = documented_bounds()["json_digits"]
+    path = tmp_path / "n.json"
+    path.write_text(f'{{"n": -{"9" * digits}}}')  # the sign is not a digit
+    assert read_json_file(path) == {"n": -int("9" * digits)}
+    path.write_text(f'{{"n": {"9" * (digits + 1)}}}')
+    with pytest.raises(CheckpointError) as err:
+        read_json_file(path)
+    assert str(err.value) == (f"{path}: not valid JSON: an integer of {digits + 1} digits "
+                              f"(at most {digits} are read)")
