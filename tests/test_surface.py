@@ -338,3 +338,49 @@ def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, tra
     assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
     lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
     assert lora and all(g is trainable for g in lora)
+
+
+@pytest.mark.slow
+def test_adapter_files_names_and_refusals_in_detail(tmp_path):
+    """What the adapter methods write and refuse, message by message (found by mutation testing)."""
+    import json
+
+    from safetensors import safe_open
+
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ours.save_pretrained(tmp_path / "base")
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
+    model.name_or_path = "someone/base"  # as transformers' models carry it
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    assert model.peft_config["default"].base_model_name_or_path == "someone/base"  # the model it adapts
+    model.save_pretrained(tmp_path / "one")
+    assert json.loads((tmp_path / "one" / "adapter_config.json").read_text())["base_model_name_or_path"] == "someone/base"
+    with safe_open(tmp_path / "one" / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' and PEFT's loaders look for
+
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    adapted = model(ids).logits
+    fresh = GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
+    fresh.load_adapter(tmp_path / "one")
+    fresh.load_adapter(tmp_path / "one", adapter_name="second")  # the weights go to the adapter named
+    fresh.set_adapter("second")
+    assert max_diff(fresh(ids).logits, adapted) == 0
+    with pytest.raises(ValueError, match="^Adapter with name second already exists. Please use a different name.$"):
+        fresh.load_adapter(tmp_path / "one", adapter_name="second")
+    with pytest.raises(ValueError, match=r"^hotswap=True: replacing an adapter's weights in place is not supported; "
+                                         r"delete_adapter and load it again$"):
+        fresh.load_adapter(tmp_path / "one", adapter_name="third", hotswap=True)
+    with pytest.raises(ValueError, match="^load_adapter needs peft_model_id, or peft_config and adapter_state_dict$"):
+        fresh.load_adapter(adapter_name="third", peft_config=model.peft_config["default"])
+
+    fresh.set_adapter(["default", "second"])
+    with pytest.raises(ValueError, match=r"adapters \['default', 'second'\] are active together; save them one at a time"):
+        fresh.save_pretrained(tmp_path / "two")
+
+    weights = {f"base_model.model.transformer.h.{i}.attn.c_attn.lora_A.weight": torch.zeros(4, 32) for i in range(5, 9)}
+    with pytest.raises(ValueError) as err:  # four keys that fit no module: three are named
+        fresh.load_adapter(adapter_name="bad", peft_config=peft.LoraConfig(r=4, target_modules=["c_attn"]),
+                           adapter_state_dict=weights)
+    named = [f"transformer.h.{i}.attn.c_attn.lora_A.weight" for i in range(5, 8)]
+    assert str(err.value) == f"adapter_state_dict: adapter weights {named} fit no module"
