@@ -27,7 +27,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])
-@pytest.mark.parametrize("K_, N", [(64, 96), (100, 37), (40, 21), (768, 2304)])  # (100, 37), (40, 21): loops' tails
+@pytest.mark.parametrize("K_, N", [(64, 96), (100, 37), (40, 21), (103, 19), (768, 2304)])  # loops' tails: N's (37,
+# 21, 19), and K's (103: inputs left after the cols kernel's four at a time)
 def test_cols_and_rows_match_their_references(dtype, B, K_, N):
     x, w, bias = torch.randn(B, K_, generator=G), torch.randn(K_, N, generator=G).to(dtype), torch.randn(N, generator=G)
     assert relative(K.cols(x, w, bias), K.cols_reference(x, w, bias)) < 1e-5
