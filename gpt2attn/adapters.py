@@ -56,28 +56,31 @@ class AdapterMixin:
         self._hf_peft_config_loaded = True
         self.set_adapter(adapter_name)
 
-    def set_adapter(self, adapter_name: list[str] | str) -> None:
-        """Make these adapters (a name or a list) the active ones, the others inactive."""
+    def _adapter_modules(self) -> list[nn.Module]:
+        """The tuner layers and the modules_to_save copies: what set_adapter, disable_adapters and
+        enable_adapters switch together."""
         from peft.utils import ModulesToSaveWrapper
 
-        layers = self._tuner_layers()
+        return self._tuner_layers() + [m for m in self.modules() if isinstance(m, ModulesToSaveWrapper)]
+
+    def set_adapter(self, adapter_name: list[str] | str) -> None:
+        """Make these adapters (a name or a list) the active ones, the others inactive."""
+        modules = self._adapter_modules()
         missing = {adapter_name} if isinstance(adapter_name, str) else set(adapter_name)
         missing -= set(self.peft_config)
         if missing:
             raise ValueError(f"adapter(s) {sorted(missing)} not found; loaded adapters: {list(self.peft_config)}")
-        layers += [m for m in self.modules() if isinstance(m, ModulesToSaveWrapper)]
-        for module in layers:
+        for module in modules:
             module.set_adapter(adapter_name)
 
     def disable_adapters(self) -> None:
         """Run the base model alone (the adapters stay loaded)."""
-        from peft.utils import ModulesToSaveWrapper
-
-        for module in self._tuner_layers() + [m for m in self.modules() if isinstance(m, ModulesToSaveWrapper)]:
+        for module in self._adapter_modules():
             module.enable_adapters(enabled=False)
 
     def enable_adapters(self) -> None:
-        for module in self._tuner_layers():
+        """Run the active adapters again after disable_adapters, modules_to_save copies included."""
+        for module in self._adapter_modules():
             module.enable_adapters(enabled=True)
 
     def active_adapters(self) -> list[str]:
@@ -102,6 +105,24 @@ class AdapterMixin:
         if not self.peft_config:
             del self.peft_config
             self._hf_peft_config_loaded = False
+            self._unwrap_adapter_modules()
+
+    def _unwrap_adapter_modules(self) -> None:
+        """Put each module PEFT wrapped back in its place (a LoRA layer's base layer, a
+        modules_to_save wrapper's original module), so that state_dict() and save_pretrained()
+        give the base model's keys again (not ...c_attn.base_layer.weight)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+
+        for name, module in list(self.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                base = module.get_base_layer()
+            elif isinstance(module, ModulesToSaveWrapper):
+                base = module.original_module
+            else:
+                continue
+            parent, _, child = name.rpartition(".")
+            setattr(self.get_submodule(parent), child, base)
 
     def get_adapter_state_dict(self, adapter_name: str | None = None, state_dict: dict | None = None) -> dict:
         """The adapter's weights (the active one's by default), keyed as in the model without the adapter name."""

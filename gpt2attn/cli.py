@@ -20,7 +20,10 @@ SIGPIPE_STATUS = 128 + 13  # what a Unix tool killed by SIGPIPE returns (`yes | 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="gpt2attn", description="GPT-2 as plain PyTorch modules.")
+    parser.add_argument("--version", action="version", version=f"gpt2attn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"gpt2attn.commands.{name}")

@@ -25,7 +25,10 @@ def resolve(src: str | os.PathLike, cache_dir=None, local_files_only: bool = Fal
     name = str(src)
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or not re.fullmatch(r"[\w.\-/]+", name):
         raise FileNotFoundError(f"{src}: no such file or folder")
-    return download(name, cache_dir, local_files_only)
+    try:
+        return download(name, cache_dir, local_files_only)
+    except FileNotFoundError as e:  # 'out/model' may have been meant as a folder: say first that none is here
+        raise FileNotFoundError(f"{src}: no such local file or folder (looked in {Path.cwd()}), and {e}") from None
 
 
 def hub_offline() -> bool:
@@ -51,15 +54,15 @@ def download(repo_id: str, cache_dir=None, local_files_only: bool = False) -> Pa
             pass
     if offline:
         raise FileNotFoundError(
-            f"{repo_id!r} is not a local path and is not in the Hugging Face cache, and downloads are off "
-            f"(HF_HUB_OFFLINE=1 or local_files_only). Download it once with network access "
-            f"(`hf download {names[-1]}`), or pass a local folder."
+            f"{repo_id!r} is not in the Hugging Face cache and downloads are off (HF_HUB_OFFLINE=1 or "
+            f"local_files_only): if it is a hub repo, download it once with network access (`hf download {names[-1]}`)"
         )
     try:
         patterns = ["*.json", "*.txt", "*.safetensors"]  # config, tokenizer, weights
         folder = Path(snapshot_download(names[-1], cache_dir=cache_dir, allow_patterns=patterns))
-    except Exception as e:  # network errors, missing repos, gated repos: all say why
-        raise FileNotFoundError(f"could not download {names[-1]!r} from the Hugging Face hub: {e}") from None
+    except Exception as e:  # network errors, missing repos, gated repos: all say why, in the first line
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(f"could not download {names[-1]!r} from the Hugging Face hub: {said}") from None
     return folder
 
 

@@ -21,7 +21,8 @@ from .config import GPT2Config
 from .errors import CheckpointError, ShapeMismatchError, shorten
 from .formats import detect_format, weights_file
 from .formats.nanogpt import from_nanogpt
-from .formats.state_dict import BODY_PREFIXES, check_state_dict, infer_config, layer_indices, normalize_keys, resolve_dtype
+from .formats.state_dict import (BODY_PREFIXES, check_state_dict, infer_config, layer_indices, layer_of, normalize_keys,
+                                 resolve_dtype)
 from .generation.config import load_generation_config
 from .hub import resolve
 from .layers import init_weights
@@ -238,6 +239,10 @@ def check_layers(config: GPT2Config, state: dict[str, Tensor], where: str) -> No
     """The config's n_layer against the blocks the weights hold, before a model is built: a header
     saying 100000 layers over a file of 2 is refused here, not after building 100000 blocks."""
     held = layer_indices(state)
+    extra = [key for key in state if (layer_of(key) or 0) >= config.n_layer]
+    if extra:  # named, as transformers names unexpected keys
+        raise CheckpointError(where, f"checkpoint does not fit the model: the config has n_layer = {config.n_layer} "
+                                     f"(blocks 0..{config.n_layer - 1}); unexpected keys: {shorten(extra)}")
     if held and held != set(range(config.n_layer)):
         found = f"blocks {min(held)}..{max(held)} ({len(held)} of them)"
         raise CheckpointError(where, f"checkpoint does not fit the model: the config has n_layer = {config.n_layer}, "

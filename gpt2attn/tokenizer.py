@@ -64,8 +64,7 @@ def _char_lookup(tokenizer: Tokenizer, text: str) -> list[int] | None:
         return None
     spec = json.loads(tokenizer.to_str())
     vocab = spec["model"]["vocab"]
-    if (spec["pre_tokenizer"] != CHAR_SPLIT or spec["normalizer"] or spec["post_processor"] or spec["added_tokens"]
-            or not all(len(token) == 1 for token in vocab)):
+    if not is_characters(spec) or spec["normalizer"] or spec["post_processor"] or spec["added_tokens"]:
         return None
     chars = np.array([ord(token) for token in vocab], dtype=np.uint32)
     order = np.argsort(chars)
@@ -98,6 +97,13 @@ def token_labels(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 def visible(piece: str) -> str:
     """A token's text with its whitespace shown: ' ' -> '␣', newline -> '↵', tab -> '⇥'; '' -> '∅'."""
     return piece.replace(" ", "␣").replace("\n", "↵").replace("\r", "␍").replace("\t", "⇥") or "∅"
+
+
+def is_characters(spec: dict) -> bool:
+    """Whether a tokenizer (its JSON form, tokenizer.to_str()) is a character vocabulary: WordLevel
+    over single characters, as char_tokenizer makes it."""
+    return (spec["model"]["type"] == "WordLevel" and spec["pre_tokenizer"] == CHAR_SPLIT
+            and all(len(token) == 1 for token in spec["model"]["vocab"]))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -228,7 +234,11 @@ def char_tokenizer(text: str) -> CharTokenizer:
     """One id per distinct character of text, in sorted order; encode/decode round-trip exactly."""
     if not text:
         raise ValueError("char_tokenizer needs a non-empty text to take its characters from")
-    vocab = {ch: i for i, ch in enumerate(sorted(set(text)))}
+    return characters({ch: i for i, ch in enumerate(sorted(set(text)))})
+
+
+def characters(vocab: dict[str, int]) -> CharTokenizer:
+    """The character-level tokenizer of vocab (single character -> id), as char_tokenizer makes it."""
     # WordLevel over single characters: the Split pre-tokenizer isolates every character.
     tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")

@@ -11,6 +11,7 @@ import platform
 import resource
 import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,19 @@ from pathlib import Path
 import torch
 
 from gpt2attn import kernels
+# The project's shared data (../shared/data beside the checkout), or $GPT2ATTN_SHARED_DATA, as the tests find it.
+SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
+
+
+def read_text_file(path: Path, flag: str = "--data") -> str:
+    """The UTF-8 text at path; a missing file ends the script with one line naming the way to give
+    one (`flag`, or GPT2ATTN_SHARED_DATA for the shared data), not a traceback."""
+    if not Path(path).is_file():
+        shared = " (the project's shared data: ../shared/data beside the checkout, or $GPT2ATTN_SHARED_DATA)" \
+            if Path(path).is_relative_to(SHARED_DATA) else ""
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {path}: no such file{shared}; give a text file with {flag} PATH")
+    return Path(path).read_text(encoding="utf-8")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -29,13 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line, median_seconds
+from bench_common import SHARED_DATA, machine_line, median_seconds
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.explore import explore
 from gpt2attn.tokenizer import encode, load_tokenizer
 
-SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"
 PARTS = {"attention weights": ["attn"], "neuron view (q, k)": ["q", "k"], "layers view (logit lens)": ["lens"],
          "thumbnails": ["thumbs"]}  # the rest: tokens, top-5s, ablations, settings
@@ -44,7 +42,7 @@ PROSE = ("It was the best of times, it was the worst of times, it was the age of
          "it was the season of Darkness, it was the spring of hope, it was the winter of despair.\n")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(prog="bench.py explore")
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--threads", type=int, default=2)
@@ -58,6 +56,7 @@ def main(argv: list[str]) -> int:
     model = GPT2LMHeadModel(GPT2Config.from_preset("gpt2")).eval()
     tok = load_tokenizer(TOKENIZER_FILES)
     heads = model.config.n_layer * model.config.n_head
+    pages, views = [], []  # the result file's tables: one row per token count
     with tempfile.TemporaryDirectory() as tmp:
         browser = chromium(Path(tmp) / "profile")
         try:
@@ -82,6 +81,11 @@ def main(argv: list[str]) -> int:
                       + f"; the rest (page, tokens, top-5s, ablations) {size - sum(sizes.values()):.2f} MB")
                 print(f"  build {build:.2f} s; one forward pass {forward * 1000:.0f} ms; "
                       f"build / (forward x {heads} heads) = {build / (forward * heads):.2f}")
+                pages.append({"tokens": n, "page MB": round(size, 2),
+                              **{f"{part} MB": round(mb, 2) for part, mb in sizes.items()},
+                              "the rest MB": round(size - sum(sizes.values()), 2), "build s": round(build, 2),
+                              "one forward ms": round(forward * 1000), f"build / (forward x {heads})":
+                              round(build / (forward * heads), 2)})
                 if browser is None:
                     continue
                 times = {"first view (model view)": [], "one head's full view, every line": [],
@@ -99,6 +103,8 @@ def main(argv: list[str]) -> int:
                         times[what].append(browser.execute_async_script(script) / 1000)
                 print(f"  Chromium {browser.capabilities['browserVersion']}, median of {args.repeats}: "
                       + "; ".join(f"{what} {statistics.median(t):.2f} s" for what, t in times.items()))
+                views.append({"tokens": n, "Chromium": browser.capabilities["browserVersion"],
+                              **{f"{what} s": round(statistics.median(t), 2) for what, t in times.items()}})
                 if args.bertviz:
                     bertviz_pages(model, tok, ids, Path(tmp))
                 if args.circuitsvis:
@@ -106,7 +112,10 @@ def main(argv: list[str]) -> int:
         finally:
             if browser is not None:
                 browser.quit()
-    return 0
+    tables = {f"the page (random gpt2-small, {heads} heads ablated), sizes and build time": pages}
+    if views:
+        tables[f"headless Chromium, median of {args.repeats} loads"] = views
+    return tables
 
 
 def chromium(profile: Path):

@@ -32,13 +32,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_common import interleaved_medians, machine_line, median_seconds
+from bench_common import SHAKESPEARE, SHARED_DATA, interleaved_medians, machine_line, median_seconds
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.quantize import cpu_bf16_report
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-TOKENIZER_FILES = SHARED / "gpt2-tokenizer"
+TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"
 
 
 def main(argv: list[str]) -> int:
@@ -292,7 +291,7 @@ def quality(fp32, int8) -> None:
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"\nrandom gpt2-small, B=1, T=128: max |int8 - fp32| / max |fp32| logit = {err:.4f}; "
           f"same argmax at {agree:.0%} of positions")
-    text_file = SHARED / "tinyshakespeare" / "input.txt"
+    text_file = SHAKESPEARE
     from gpt2attn.generation import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 

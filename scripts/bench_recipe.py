@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import SHAKESPEARE
 from eval_char_model import last_part, validation_loss
 
 from gpt2attn import GPT2LMHeadModel
@@ -86,7 +87,7 @@ def row(result: tuple[float, float, float]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.py recipe", description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
-    parser.add_argument("--data", default=str(ROOT.parent / "shared/data/tinyshakespeare/input.txt"))
+    parser.add_argument("--data", default=str(SHAKESPEARE))
     parser.add_argument("--config", default=str(ROOT / "configs/train/shakespeare_char_cpu.toml"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--ours", action="append", default=[], metavar="--KEY=VALUE", help="extra gpt2attn train setting")

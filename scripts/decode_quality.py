@@ -1,6 +1,6 @@
 """What each quantize() mode costs in quality, on the shipped character model through the decoding path.
 
-    python scripts/decode_quality.py [--data TEXT]    # default: tinyshakespeare from ../shared/data
+    python scripts/decode_quality.py [--data TEXT]    # default: tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA
 
 The last 10% of the text, 8 blocks of 128 characters fed one character per forward through the
 KV cache (the path generate takes for its new tokens), batch 8. Per mode: the loss relative to
@@ -17,15 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import machine_line
+from bench_common import SHAKESPEARE, machine_line, read_text_file
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.generation import DEFAULT_MODEL_DIR
 from gpt2attn.quantize import MODES
 from gpt2attn.tokenizer import load_tokenizer
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
-
 
 def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor:
     """Logits (B, T - 1, V) of blocks (B, T), one position per forward through the KV cache."""
@@ -39,10 +36,10 @@ def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=SHAKESPEARE)
     args = parser.parse_args(argv)
-    text = args.data.read_text()
+    text = read_text_file(args.data)
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     ids = torch.tensor(tok.encode(text[int(len(text) * 0.9) :]).ids)
     blocks = ids[: 8 * 128].view(8, 128)

@@ -1,5 +1,5 @@
 """Validation loss of a character model as the default model's recipe reports it: the last 10% of
-a text (tinyshakespeare by default), every character scored once, each with up to n_positions
+a text (tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA by default), every character scored once, each with up to n_positions
 characters of context (windows of n_positions moved by half of it; after the first window, each
 scored character sees at least n_positions / 2 before it).
 
@@ -15,13 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import SHAKESPEARE, read_text_file
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.generation import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import encode, load_tokenizer
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
-
 
 def last_part(ids: torch.Tensor, fraction: float = 0.1) -> torch.Tensor:
     """The validation split: the last `fraction` of a text's ids."""
@@ -59,7 +57,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.1)
     args = parser.parse_args(argv)
     model = GPT2LMHeadModel.from_pretrained(args.model).eval()
-    text = Path(args.data).read_text(encoding="utf-8")
+    text = read_text_file(Path(args.data))
     ids = torch.tensor(encode(load_tokenizer(args.model), text))
     val = last_part(ids, args.val_fraction)
     loss = validation_loss(model, val)

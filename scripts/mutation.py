@@ -68,6 +68,26 @@ TEST_MAP = {
         "tests/test_generation_processors.py", "tests/test_bad_inputs_generate.py",
         "tests/test_generation_max_length.py",
     ],
+    # generate() and its settings also take transformers' GenerationConfig (tests/test_surface.py)
+    "gpt2attn/generation/config.py": [
+        "tests/test_generation.py", "tests/test_generation_exact.py", "tests/test_bad_inputs_generate.py",
+        "tests/test_generation_max_length.py", "tests/test_surface.py",
+    ],
+    "gpt2attn/generation/generate.py": [
+        "tests/test_generation.py", "tests/test_generation_exact.py", "tests/test_generation_processors.py",
+        "tests/test_bad_inputs_generate.py", "tests/test_generation_max_length.py", "tests/test_surface.py",
+    ],
+    "gpt2attn/adapters.py": ["tests/test_surface.py", "tests/test_ecosystem_peft.py"],
+    "gpt2attn/errors.py": [
+        "tests/test_fuzz_formats.py", "tests/test_bad_inputs_loading.py", "tests/test_formats_hf_details.py",
+        "tests/test_files.py",
+    ],
+    "gpt2attn/quantize.py": ["tests/test_quantize.py", "tests/test_kernels.py", "tests/test_decode_step.py"],
+    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_kernels.py", "tests/test_quantize.py"],
+    "gpt2attn/pretrained.py": [
+        "tests/test_model_api.py", "tests/test_surface.py", "tests/test_checkpoint.py", "tests/test_quantize.py",
+    ],
+    "gpt2attn/bridge.py": ["tests/test_ecosystem_transformers.py", "tests/test_quantize.py"],
 }
 
 # mutmut's exit codes, grouped the way the score counts them.
@@ -111,8 +131,9 @@ def tests_for(files: list[str], root: Path) -> list[str]:
 
 
 def populate(workdir: Path, rev: str | None) -> None:
-    """Copy the package, tests, configs and pyproject.toml into `workdir` (at `rev` if given)."""
-    parts = ["gpt2attn", "tests", "configs", "pyproject.toml"]
+    """Copy the package, tests, configs, docs (pages some tests read) and pyproject.toml into
+    `workdir` (at `rev` if given)."""
+    parts = ["gpt2attn", "tests", "configs", "docs", "pyproject.toml"]
     if rev:
         archive = subprocess.run(["git", "archive", rev, *parts], cwd=REPO, check=True,
                                  capture_output=True).stdout
@@ -141,7 +162,7 @@ def configure(workdir: Path, files: list[str], tests: list[str], timeout_factor:
 [tool.mutmut]
 source_paths = ["gpt2attn"]
 only_mutate = {toml_list(files)}
-also_copy = ["configs"]
+also_copy = ["configs", "docs"]
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-x", "-q", *pytest_args])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 timeout_multiplier = {timeout_factor}

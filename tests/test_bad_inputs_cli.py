@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main
@@ -46,6 +47,11 @@ def paths(tmp_path_factory):
     (root / "folder").mkdir()
     train(load_config(None, [f"--data={root / 'text.txt'}", f"--out_dir={root / 'run'}", *TINY,
                              "--max_iters=2", "--eval_interval=2"]))
+    extra = root / "extra_block"  # a 2-layer model's folder whose weights also hold a block 7
+    randomize(GPT2LMHeadModel(tiny_config(n_layer=2)), seed=0).save_pretrained(extra)
+    state = load_file(extra / "model.safetensors")
+    state.update({k.replace(".h.1.", ".h.7."): v.clone() for k, v in state.items() if ".h.1." in k})
+    save_file(state, extra / "model.safetensors")
     return root
 
 
@@ -81,6 +87,17 @@ CASES = {
     "train: config is a folder": (["train", "--config", "{root}/folder"], "no config file at {root}/folder"),
     "train: resume with another vocabulary": (["train", "--data={root}/other.txt", "--out_dir={root}/run", "--resume",
                                                "--max_iters=4", *TINY], "tokenizes to another vocabulary (22 tokens)"),
+    "convert to .onnx": (["convert", "{root}/model", "{root}/m.onnx"],
+                         "{root}/m.onnx: ONNX files are written by `gpt2attn export MODEL {root}/m.onnx`, not here"),
+    "convert to .safetensors": (["convert", "{root}/model", "{root}/m.safetensors"],
+                                "{root}/m.safetensors: a Hugging Face model is written as a folder (config.json, "
+                                "model.safetensors, tokenizer files), not one .safetensors file: name the folder, "
+                                "e.g. {root}/m"),
+    "convert to an unknown suffix": (["convert", "{root}/model", "{root}/m.xyz"],
+                                     "{root}/m.xyz: the name looks like a .xyz file, a format gpt2attn does not write"),
+    "convert: a checkpoint with an extra block": (["convert", "{root}/extra_block", "{root}/out3"],
+                                                  "the config has n_layer = 2 (blocks 0..1); unexpected keys: "
+                                                  "transformer.h.7.attn.c_attn.bias"),
     "parity: --tol 0": (["parity", "{root}/model", "--tol", "0"], "--tol must be > 0, got 0.0"),
     "parity: --tol < 0": (["parity", "{root}/model", "--tol=-1e-3"], "--tol must be > 0, got -0.001"),
 }
@@ -95,6 +112,60 @@ def test_bad_input_is_one_error_line_and_status_2(paths, capsys, argv, message):
     assert len(errors) == 1, err
     assert fill(message, paths) in errors[0]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["m.onnx", "m.safetensors", "m.xyz"])
+def test_convert_to_a_file_name_of_another_format_writes_nothing(paths, tmp_path, capsys, name):
+    assert main(["convert", str(paths / "model"), str(tmp_path / name)]) == 2
+    assert list(tmp_path.iterdir()) == []  # no folder named like a file
+
+
+def test_version_prints_the_packages_version():
+    import tomllib
+
+    import gpt2attn
+
+    done = run_module("-m", "gpt2attn", "--version")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"gpt2attn {project}\n", "")
+    assert gpt2attn.__version__ == project
+
+
+def test_train_help_lists_every_setting_a_user_may_override(capsys):
+    from dataclasses import fields
+
+    from gpt2attn.training import TrainConfig
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for field in fields(TrainConfig):
+        flag = f"--{field.name}={field.type.upper()}"
+        assert any(line.split() == [flag, "default", repr(field.default)] for line in lines), flag
+
+
+def missing_model_run(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    """`gpt2attn generate --model out/model hi` from an empty folder, with an empty hub cache."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    environment.update(HF_HOME=str(tmp_path / "hf-home"), OMP_NUM_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-m", "gpt2attn", "generate", "--model", "out/model", "hi"], cwd=tmp_path,
+                          env=environment, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_missing_local_folder_is_named_as_such_before_the_hubs_answer(tmp_path):
+    folder_line = f"gpt2attn generate: error: out/model: no such local file or folder (looked in {tmp_path}), and "
+    offline = missing_model_run(tmp_path, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 2 and offline.stdout == ""
+    assert offline.stderr == folder_line + (
+        "'out/model' is not in the Hugging Face cache and downloads are off (HF_HUB_OFFLINE=1 or local_files_only): "
+        "if it is a hub repo, download it once with network access (`hf download out/model`)\n")
+    # online, with a hub that refuses connections (nothing listens on port 9 here): what the hub library said, one line
+    online = missing_model_run(tmp_path, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="5")
+    assert online.returncode == 2 and online.stdout == ""
+    assert online.stderr.startswith(folder_line + "could not download 'out/model' from the Hugging Face hub: ")
+    assert online.stderr.count("\n") == 1 and "Traceback" not in online.stderr
 
 
 def test_refused_resume_leaves_the_run_as_it_was(paths, capsys):

@@ -123,6 +123,17 @@ def huge_header_length(tmp_path):
     return lambda: GPT2LMHeadModel.from_pretrained(path), path
 
 
+def extra_block(tmp_path):
+    """A 2-layer model's folder whose weights also hold a block 7 (a copy of block 1's tensors)."""
+    from safetensors.torch import save_file
+
+    folder = saved_model(tmp_path)
+    state = GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    state.update({k.replace(".h.1.", ".h.7."): v.clone() for k, v in state.items() if k.startswith("transformer.h.1.")})
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, folder / "model.safetensors")
+    return lambda: GPT2LMHeadModel.from_pretrained(folder), folder
+
+
 VOCAB = json.dumps({"a": 0, "b": 1, "ab": 2})
 MERGES = "#version: 0.2\na b\n"
 
@@ -172,6 +183,8 @@ CASES = [
      FileNotFoundError, "lists shard gone.safetensors, which is missing"),
     (lambda t: sharded(t, first_tensor_elsewhere), ValueError, "holds tensors the index does not place there"),
     (lambda t: sharded(t, with_unlisted_tensor), ValueError, "lists tensors that no shard holds: transformer.h.9.ln_1.weight"),
+    (lambda t: extra_block(t), ValueError, "the config has n_layer = 2 (blocks 0..1); unexpected keys: "
+     "transformer.h.7.attn.c_attn.bias, transformer.h.7.attn.c_attn.weight, transformer.h.7.attn.c_proj.bias"),
     # OpenAI TF hparams.json
     (lambda t: tf_checkpoint(t, b"\x00\xffgarbage"), ValueError, "not valid JSON"),
     (lambda t: tf_checkpoint(t, b"[768, 12]"), ValueError, "expected a JSON object of hyperparameters, found a list"),
@@ -227,3 +240,12 @@ def test_bad_input_gets_an_error_naming_it(tmp_path, build, error, fragment):
     assert fragment in message
     if named is not None:
         assert str(named) in message
+
+
+def test_a_long_list_in_a_message_shows_ten_and_counts_the_rest():
+    from gpt2attn.errors import shorten
+
+    keys = [f"key{i}" for i in range(12)]
+    assert shorten(keys) == ", ".join(keys[:10]) + ", and 2 more"
+    assert shorten(keys[:10]) == ", ".join(keys[:10])
+    assert shorten(["x" * 121, "y" * 120]) == "x" * 117 + "..., " + "y" * 120  # each item cut to 120 characters

@@ -106,8 +106,21 @@ def test_bridge_table_and_errors():
         assert hasattr(transformers, name)
     from gpt2attn.bridge import to_transformers
 
-    with pytest.raises(TypeError, match="no bridge for Linear"):
+    with pytest.raises(TypeError) as err:
         to_transformers(torch.nn.Linear(2, 2))
+    assert str(err.value) == f"no bridge for Linear; bridged classes: {', '.join(BRIDGED)}"
+
+
+def test_a_buffer_the_bridge_cannot_fill_is_named():
+    from gpt2attn.bridge import _share_parameters
+
+    src = torch.nn.Linear(2, 2)
+    with torch.device("meta"):
+        dst = torch.nn.Linear(2, 2)
+    dst.register_buffer("running", torch.empty(2, device="meta"))
+    with pytest.raises(ValueError, match="^Linear has a buffer running the bridge does not fill$"):
+        _share_parameters(src, dst)
+    assert dst.weight is src.weight  # the parameters were shared before the buffer was found
 
 
 def test_transformers_generate_on_our_weights_equals_ours():

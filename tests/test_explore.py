@@ -56,6 +56,39 @@ def test_ablation_table_equals_zeroing_each_head_with_inspect_edit(char_model):
         assert expected.abs().max() > 1e-2  # the heads matter in this model: the comparison has teeth
 
 
+def test_ablating_chosen_layers_leaves_the_others_empty_and_reports_each_layers_cost(char_model):
+    model, tok = char_model
+    ids = encode(tok, EXPLORE_TEXT)
+    L = model.config.n_layer
+    done = []
+    data = page_data(model, tok, EXPLORE_TEXT, ablate=[2, 1, 2], progress=done.append)
+    expected = ablation_effects(model, ids, len(ids) - 1)
+    assert data["effects"][0] is None
+    assert torch.tensor(data["effects"][1:]).sub(expected[1:]).abs().max() < 1e-4
+    assert done == [0, L - 1, L - 2]  # started; a layer's ablations run its block and every later one
+    assert page_data(model, tok, EXPLORE_TEXT, ablate=[])["effects"] == [None] * L
+    with pytest.raises(ValueError, match=rf"ablate: this model's layers are 0 to {L - 1}, got \[0, {L}\]"):
+        page_data(model, tok, EXPLORE_TEXT, ablate=[0, L])
+
+
+def test_the_command_prints_the_ablations_cost_and_takes_layer_ranges(char_folder, tmp_path, capsys):
+    from gpt2attn.commands.explore import layer_list
+
+    assert layer_list("all") is None and layer_list("none") == []
+    assert layer_list("0-2,5, 7") == [0, 1, 2, 5, 7]
+    out = tmp_path / "page.html"
+    assert main(["explore", EXPLORE_TEXT, "--model", str(char_folder), "--out", str(out), "--ablate", "1-2"]) == 0
+    L, nh = 3, 4  # char_folder's model
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"head ablations: 2 of {L} layers x {nh} heads, {(L - 1) + (L - 2)} block passes "
+                      f"(a forward pass is {L}); --ablate LAYERS or none for fewer")
+    assert [row is None for row in page_json(out)["effects"]] == [True, False, False]
+    for bad, message in (("1-x", "--ablate 1-x: give all, none, or layers and ranges such as 0-5,10"),
+                         ("0,3", f"--ablate 0,3: this model's layers are 0 to {L - 1}")):
+        assert main(["explore", "To be", "--model", str(char_folder), "--out", str(out), "--ablate", bad]) == 2
+        assert capsys.readouterr().err == f"gpt2attn explore: error: {message}\n"
+
+
 def test_top5_is_the_models_next_token_distribution(char_model):
     model, tok = char_model
     data = page_data(model, tok, EXPLORE_TEXT)

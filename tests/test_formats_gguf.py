@@ -224,6 +224,19 @@ def test_cli_generate_convert_and_parity_take_gguf(tmp_path, capsys):
     assert "layer 1" in capsys.readouterr().out
 
 
+def test_the_shipped_character_model_goes_to_gguf_with_its_tokenizer(tmp_path, capsys):
+    """The README's tour: `convert` the character model to a .gguf, then `generate --model` it."""
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+
+    assert cli(["convert", str(DEFAULT_MODEL_DIR), str(tmp_path / "m.gguf"), "--dtype", "f32"]) == 0
+    assert capsys.readouterr().err == ""  # no "written without the tokenizer" note
+    said = []
+    for model in (DEFAULT_MODEL_DIR, tmp_path / "m.gguf"):
+        assert cli(["generate", "--model", str(model), "ROMEO:", "--max-new-tokens", "30", "--greedy"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[1] == said[0] and len(said[0]) > len("ROMEO:\n")
+
+
 def test_import_gpt2attn_does_not_import_gguf():
     code = "import sys, gpt2attn, gpt2attn.formats; print('gguf' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

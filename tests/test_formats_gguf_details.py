@@ -845,16 +845,47 @@ def test_added_tokens_are_user_defined_or_control_as_the_converter_writes_them(t
 
 
 def test_a_tokenizer_the_model_cannot_hold_or_not_bpe_is_refused(tmp_path):
-    from gpt2attn.tokenizer import char_tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     with pytest.raises(ValueError, match=r"m\.gguf: the tokenizer has 7 tokens, the model's vocabulary 6"):
         save(model_of(vocab_size=6), tmp_path / "m.gguf", tokenizer=small_bpe())
-    words = char_tokenizer("hello")
-    inner = words.tokenizer  # the tokenizers.Tokenizer it holds
-    assert ours.embeds(small_bpe()) and not ours.embeds(inner)
+    words = Tokenizer(models.WordLevel({"hello": 0, "world": 1}, unk_token=None))  # words, not characters
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert ours.why_not_embedded(small_bpe()) is None
     with pytest.raises(ValueError) as error:
-        save(model_of(), tmp_path / "m.gguf", tokenizer=inner)
+        save(model_of(), tmp_path / "m.gguf", tokenizer=words)
     assert str(error.value) == (f"{tmp_path / 'm.gguf'}: GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is WordLevel "
                                 "(write the model without it, or to an HF folder)")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_character_vocabulary_of_ascii_is_embedded_and_read_back_as_characters(tmp_path):
+    from gpt2attn.tokenizer import CharTokenizer, char_tokenizer, encode
+
+    text = "To be, or not to be:\nthat is the question!"
+    chars, n = char_tokenizer(text), len(set(text))
+    save(model_of(vocab_size=n + 2), tmp_path / "m.gguf", dtype="f32", tokenizer=chars)  # two unused ids
+    fields = their_fields(tmp_path / "m.gguf")  # gguf-py's reading: GPT-2's byte-level spelling, no merges
+    spelled = {" ": "Ġ", "\n": "Ċ"}
+    assert fields["tokenizer.ggml.tokens"] == [spelled.get(c, c) for c in sorted(set(text))] + [f"[PAD{n}]", f"[PAD{n + 1}]"]
+    assert fields["tokenizer.ggml.token_type"] == [1] * n + [5, 5]
+    assert fields.get("tokenizer.ggml.merges", []) == []
+    back = ours.tokenizer_of(tmp_path / "m.gguf")
+    assert isinstance(back, CharTokenizer)
+    assert encode(back, text) == encode(chars, text) and back.decode(encode(back, text)) == text
+    with pytest.raises(ValueError, match=r"'#' \(U\+0023\)"):  # a missing character is named, not dropped
+        encode(back, "to be #")
+
+
+def test_a_character_vocabulary_beyond_ascii_is_refused_by_name(tmp_path):
+    from gpt2attn.tokenizer import char_tokenizer
+
+    chars = char_tokenizer("café naïve")
+    reason = ours.why_not_embedded(chars)
+    assert reason == ("GGUF's GPT-2 tokenizer holds a character vocabulary only when every character is one byte "
+                      "(ASCII); this one has 'é' (U+00E9), 'ï' (U+00EF)")
+    with pytest.raises(ValueError, match="this one has 'é'"):
+        save(model_of(), tmp_path / "m.gguf", tokenizer=chars)
     assert not (tmp_path / "m.gguf").exists()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ import fuzzing
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import llmc
 from gpt2attn.tokenizer import load_tokenizer
+from helpers import tiny_config
 
 CASES_PER_FORMAT = 40
 
@@ -289,3 +291,97 @@ def test_pickles_never_run_code_even_when_the_environment_asks(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match="refused: holds objects that weights-only loading does not allow"):
         call()
     assert "this must never run" not in capsys.readouterr().out
+
+
+# --- the limits at their bounds, as docs/hostile-files.md states them -----------------------------------------
+
+HOSTILE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "hostile-files.md"
+
+
+def documented_bounds() -> dict[str, int]:
+    """The upper bound of each row of the page's limits table ("1 – 65,536", "≤ 64 levels"), by the
+    row's first `name`: read from the page, so that the code is held to what users are told."""
+    bounds = {}
+    for line in HOSTILE_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.search(r"(?:–|≤)\s*([\d,]+)", cells[1]) if len(cells) > 2 else None
+        if match and cells[0].startswith(("`", "JSON nesting", "JSON integers")):
+            name = {"JSON nesting": "json_depth", "JSON integers": "json_digits"}.get(cells[0].split(",")[0])
+            bounds[name or cells[0].split("`")[1]] = int(match.group(1).replace(",", ""))
+    return bounds
+
+
+def test_a_json_document_at_the_documented_depth_loads_and_one_deeper_does_not(tmp_path):
+    from gpt2attn import GPT2Config
+
+    depth = documented_bounds()["json_depth"]
+    fields = tiny_config().to_dict()
+    for levels, loads in ((depth, True), (depth + 1, False)):
+        path = tmp_path / f"config-{levels}.json"  # the object itself is one level; the note's lists the rest
+        path.write_text(json.dumps(fields)[:-1] + ', "my_note": ' + "[" * (levels - 1) + "]" * (levels - 1) + "}")
+        if loads:
+            with pytest.warns(UserWarning, match="kept as attributes: my_note"):
+                assert GPT2Config.from_json_file(path).n_layer == fields["n_layer"]
+        else:
+            with pytest.raises(CheckpointError, match=rf"nested {levels} deep \(at most {depth} are read\)"):
+                GPT2Config.from_json_file(path)
+
+
+def test_brackets_inside_json_strings_are_not_nesting():
+    from gpt2attn.errors import json_depth, read_json
+
+    deep = "[" * 500 + "{" * 500
+    assert json_depth(json.dumps({"a": deep}).encode()) == 1
+    # an escaped quote does not end a string: the brackets after it are still inside it
+    text = json.dumps({"a": 'say \\"' + deep, "b": [["x"]]}).encode()
+    assert json_depth(text) == 3 and read_json(text, "f.json")["b"] == [["x"]]
+    assert json_depth(b'{"a": "\\\\", "b": [[1]]}') == 3  # an escaped backslash ends before the quote
+    assert json_depth(b'[[1], [[2]]]') == 3 and json_depth(b"[]") == 1 and json_depth(b"1") == 0
+
+
+SIZES = ["n_layer", "n_embd", "n_head", "n_inner", "vocab_size", "n_positions"]
+
+
+@pytest.mark.parametrize("name", SIZES + ["num_labels"])
+def test_each_size_is_held_to_its_own_documented_bound(name):
+    """At the bound a config is made (nothing is allocated); one past it is refused, naming the field.
+    The other sizes stay small, so only this field's own bound can be the one that refuses it."""
+    from gpt2attn import GPT2Config
+
+    bound = documented_bounds()[name]
+    def config(value):
+        sizes = {"n_embd": 64, "n_head": 1}
+        if name == "n_head":
+            sizes["n_embd"] = value  # a multiple of n_head
+        if name == "num_labels":
+            return GPT2Config(**sizes, num_labels=value)
+        return GPT2Config(**{**sizes, name: value})
+
+    made = config(bound)
+    assert (made.num_labels if name == "num_labels" else getattr(made, name)) == bound
+    with pytest.raises(ValueError, match=rf"GPT2Config\.{name} is {bound + 1}, above gpt2attn's limit of {bound} "):
+        config(bound + 1)
+
+
+def test_json_text_reads_as_its_bytes_and_what_it_cannot_read_is_our_error():
+    from gpt2attn.errors import read_json
+
+    assert read_json('{"a": [1, "é"]}', "f.json") == {"a": [1, "é"]}  # text as well as bytes
+    assert read_json('{"a": "\ud800"}', "f.json") == {"a": "\ud800"}  # a lone surrogate, as json.loads takes it
+    with pytest.raises(CheckpointError) as err:
+        read_json(b"{oops", "f.json")
+    assert str(err.value).startswith("f.json: not valid JSON (")  # the default `what`, then the parser's words
+
+
+def test_json_integers_of_the_documented_digits_load_and_one_more_does_not(tmp_path):
+    from gpt2attn.errors import read_json_file
+
+    digits = documented_bounds()["json_digits"]
+    path = tmp_path / "n.json"
+    path.write_text(f'{{"n": -{"9" * digits}}}')  # the sign is not a digit
+    assert read_json_file(path) == {"n": -int("9" * digits)}
+    path.write_text(f'{{"n": {"9" * (digits + 1)}}}')
+    with pytest.raises(CheckpointError) as err:
+        read_json_file(path)
+    assert str(err.value) == (f"{path}: not valid JSON: an integer of {digits + 1} digits "
+                              f"(at most {digits} are read)")

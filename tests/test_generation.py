@@ -355,3 +355,37 @@ def test_cache_reorder_equals_a_gather_for_every_beam_mapping(layout):
                 assert torch.equal(buf[:, :, :5], expected), (rows, start)
 
 
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["modules", "quantized fp32"])
+def test_a_forward_pre_hook_on_a_block_acts_on_every_step_of_generate(quantized):
+    """A pre-hook that changes a block's input (steering) is applied at each step, as it is in a
+    plain forward: generate equals greedy decoding by full forward passes with the same hook (the
+    quantized model's fused step stands aside while a hook watches)."""
+    from gpt2attn import kernels
+
+    if quantized and not kernels.available():
+        pytest.skip("the CPU kernels cannot run on this machine: quantize('fp32') has no fused step to avoid")
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1).eval()
+    if quantized:
+        model.quantize("fp32")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    plain = model.generate(prompt, max_new_tokens=10, eos_token_id=None)
+    calls = []
+
+    def steer(module, args):
+        calls.append(args[0].size(1))
+        return (args[0] * -1.0, *args[1:])
+
+    handle = model.transformer.h[1].register_forward_pre_hook(steer)
+    try:
+        steered = model.generate(prompt, max_new_tokens=10, eos_token_id=None)
+        expected = prompt
+        with torch.no_grad():
+            for _ in range(10):
+                expected = torch.cat([expected, model(expected).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    finally:
+        handle.remove()
+    assert torch.equal(steered, expected)
+    assert not torch.equal(steered, plain)  # the hook changes the text: the comparison has teeth
+    assert calls[:2] == [4, 1]  # the prompt, then one token per step

@@ -265,3 +265,30 @@ def test_stopping_criteria_as_transformers(models, settings):
                              stopping_criteria=criteria, **settings)
         assert torch.equal(ours, theirs)
         assert ours.size(1) < free.size(1)  # the criterion cut the run short
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(do_sample=True, top_k=10), dict(num_beams=3)],
+                         ids=["greedy", "sampling", "beams"])
+def test_stopping_criteria_on_a_model_without_eos_as_transformers(settings):
+    """No eos: only the caller's criterion stops a row, and a row that stopped before the others
+    keeps the tokens it is given (transformers pads finished rows only when there is an eos)."""
+    from transformers import StoppingCriteriaList
+
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64, eos_token_id=None, bos_token_id=None)),
+                      seed=1, std=0.5).eval()
+    hf = hf_twin(model, "sdpa").eval()
+    assert model.generation_config.eos_token_id is None and hf.generation_config.eos_token_id is None
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    free = model.generate(ids, max_new_tokens=12, **settings)
+    assert free.size(1) == 18  # nothing stops it
+    def lengths(seqs, scores, **kwargs):  # prompt 0 is done at 8 tokens, prompt 1 at 11 (rows: samples or beams)
+        return seqs.size(1) >= torch.tensor([8, 11]).repeat_interleave(seqs.size(0) // 2)
+
+    criteria = StoppingCriteriaList([lengths])
+    torch.manual_seed(0)
+    ours = model.generate(ids, max_new_tokens=12, stopping_criteria=criteria, **settings)
+    torch.manual_seed(0)
+    theirs = hf.generate(ids, max_new_tokens=12, stopping_criteria=criteria, **settings)
+    assert torch.equal(ours, theirs)
+    assert ours.size(1) < free.size(1)  # the criterion cut the run short

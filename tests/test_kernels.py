@@ -37,7 +37,8 @@ def build(request, monkeypatch):
 
 
 @pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])
-@pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21)] + GPT2_SMALL)  # (100, 37), (40, 21): loops' tails
+# loops' tails: N's (37, 21, 19), and K's (103: inputs left after the cols kernel's four at a time)
+@pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21), (103, 19)] + GPT2_SMALL)
 def test_cols_and_rows_match_their_references(build, B, K, N):
     x, w, bias = torch.randn(B, K, generator=G), torch.randn(K, N, generator=G), torch.randn(N, generator=G)
     assert relative(kernels.cols(x, w, bias), kernels.cols_reference(x, w, bias)) < 1e-5
@@ -235,3 +236,24 @@ def test_the_benchmarks_read_sum_sums(streams, monkeypatch):
     x = torch.randn(100_003, generator=G)  # runs of 32 per stream and thread, and what they leave
     with num_threads(2):
         assert abs(read_sum(x, streams) - x.double().sum().item()) < 1e-2
+
+
+@needs_kernels
+def test_a_first_build_says_so_once_and_a_cached_one_says_nothing(monkeypatch, tmp_path, capfd):
+    built = kernels.build(kernels.SOURCES, kernels.flags(), [])  # a stand-in compiler copies it to its -o path
+    copies = tmp_path / "cxx"
+    copies.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp {built} "$2"\n')
+    copies.chmod(0o755)
+    monkeypatch.setattr(kernels, "_compiler", lambda: str(copies))
+    monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path / "cache"))
+    kernels.library.cache_clear()
+    try:
+        capfd.readouterr()
+        assert kernels.library() is not None
+        assert capfd.readouterr().err == ("gpt2attn: compiling the CPU decoding kernels for this CPU, once "
+                                          f"(cached in {tmp_path / 'cache' / 'kernels'})\n")
+        kernels.library.cache_clear()  # a new process, as far as the build is concerned: the cache holds it now
+        assert kernels.library() is not None
+        assert capfd.readouterr().err == ""
+    finally:
+        kernels.library.cache_clear()

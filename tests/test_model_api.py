@@ -420,3 +420,16 @@ def test_library_code_reads_outputs_whatever_config_return_dict_says():
     step = DecodeStep(model)(ids[:, :1], *got[1:])
     assert step[0].shape == (1, 1, model.config.vocab_size)
     assert compare(model, twin, ids).passed
+
+
+def test_memory_footprint_buffers_one_token_vocabulary_and_fused_adamw():
+    """Edges of the PreTrainedModel helpers, found by mutation testing."""
+    model = GPT2LMHeadModel(tiny_config())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # wte and the tied head once
+    model.register_buffer("steering", torch.zeros(10, dtype=torch.float64))
+    assert model.get_memory_footprint() == weights + 80
+    assert model.get_memory_footprint(return_buffers=False) == weights
+    assert model.resize_token_embeddings(1).weight.shape == (1, model.config.n_embd)  # one token is a vocabulary
+    assert model.config.vocab_size == 1
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    assert optimizer.defaults["fused"] is True  # torch has a fused AdamW for the CPU

@@ -212,3 +212,27 @@ def test_int8_decoding_loss_within_half_a_percent_of_fp32():
     loss32, loss8 = losses
     assert loss32 < 1.9
     assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
+
+
+@pytest.mark.parametrize("mode, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_a_half_layer_names_its_kernels(mode, dtype):
+    from gpt2attn import kernels as K
+
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=0).quantize(mode)
+    decode = f"gpt2attn {dtype} rows" if K.available() else "plain torch"
+    assert model.transformer.h[0].attn.c_attn.kernel == \
+        f"decode: {decode}; prefill: torch (MKL) fp32 on the widened weight"
+
+
+@pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, []), ({"avx2", "avx512_bf16"}, ["avx512_bf16"]),
+                                           ({"amx_bf16", "avx512_bf16"}, ["amx_bf16", "avx512_bf16"])])
+def test_cpu_bf16_report_reads_the_cpu_flags(monkeypatch, flags, native):
+    import gpt2attn.quantize as Q
+
+    monkeypatch.setattr(Q, "_cpu_flags", lambda: flags)
+    has, sentence = Q.cpu_bf16_report()
+    assert has is bool(native)
+    if native:
+        assert sentence.startswith(f"this CPU has {' and '.join(native)} (torch capability ")
+    else:
+        assert sentence.startswith("this CPU has neither amx_bf16 nor avx512_bf16")

@@ -174,12 +174,13 @@ def test_model_parts_tags_and_dummy_inputs_as_transformers():
     assert ours.transformer is body
 
 
-@pytest.mark.parametrize("keep", [0, 1, 3, "positions", "rows", "mask"])
+@pytest.mark.parametrize("keep", [0, 1, 3, 9, "positions", "rows", "positions mask", "mask"])
 def test_logits_to_keep_as_transformers(keep):
+    """Every documented form: an int (the last n positions; 0 all), 1-D and 2-D index tensors, 1-D and 2-D bool masks."""
     ours, theirs = twins()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     keep = {"positions": torch.tensor([0, 4, 8]), "rows": torch.tensor([[1, 2], [3, 8]]),
-            "mask": torch.arange(18).view(2, 9) % 3 == 0}.get(keep, keep)
+            "positions mask": torch.arange(9) % 2 == 0, "mask": torch.arange(18).view(2, 9) % 3 == 0}.get(keep, keep)
     a, b = ours(ids, logits_to_keep=keep).logits, theirs(ids, logits_to_keep=keep).logits
     assert a.shape == b.shape and max_diff(a, b) < 1e-5
 
@@ -221,6 +222,22 @@ def test_transformers_generation_config_everywhere(tmp_path):
     with pytest.raises(ValueError, match="diversity_penalty"):
         ours.generate(ids, generation_config=transformers.GenerationConfig(num_beams=2, num_beam_groups=2,
                                                                            diversity_penalty=1.0))
+
+
+def test_a_transformers_generation_config_keeps_the_models_eos_where_it_sets_none():
+    """transformers fills the fields a passed GenerationConfig leaves unset from the model's own:
+    the model's eos still ends the run."""
+    ours, _ = twins()
+    ids = torch.randint(6, 97, (1, 5), generator=torch.Generator().manual_seed(1))
+    free = ours.generate(ids, max_new_tokens=8, eos_token_id=None)
+    eos = int(free[0, 7])  # the third new token: with it as eos the run stops there
+    ours, theirs = twins(eos_token_id=eos)
+    passed = transformers.GenerationConfig(max_new_tokens=8, do_sample=False)
+    assert passed.eos_token_id is None
+    stopped = ours.generate(ids, generation_config=passed)
+    assert torch.equal(stopped, theirs.generate(ids, generation_config=passed))
+    assert stopped.size(1) <= 8 and int(stopped[0, -1]) == eos
+    assert ours.generation_config.eos_token_id == eos and passed.eos_token_id is None  # neither is changed
 
 
 @pytest.mark.slow  # importing peft takes most of its 15 s
@@ -269,3 +286,102 @@ def test_adapter_methods_as_transformers_and_files_cross_load(tmp_path):
     assert list(ours.peft_config) == ["default"]
     with pytest.raises(ValueError, match="not found"):
         ours.set_adapter("two")
+
+
+@pytest.mark.slow  # peft's import
+def test_disable_and_enable_adapters_switch_a_trained_modules_to_save_copy_too():
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    base = ours(ids).logits
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"]))
+    with torch.no_grad():  # "train" the head's copy; LoRA's B starts at zero, so the copy alone moves the logits
+        ours.lm_head.modules_to_save["default"].weight.add_(0.5)
+    adapted = ours(ids).logits
+    assert max_diff(adapted, base) > 1e-2
+    ours.disable_adapters()
+    assert max_diff(ours(ids).logits, base) == 0
+    ours.enable_adapters()
+    assert max_diff(ours(ids).logits, adapted) == 0
+
+
+@pytest.mark.slow
+def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(tmp_path):
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    keys = list(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    base = ours(ids).logits
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
+                                     init_lora_weights=False))
+    assert max_diff(ours(ids).logits, base) > 1e-2
+    ours.delete_adapter("default")
+    assert not hasattr(ours, "peft_config") and list(ours.state_dict()) == keys
+    assert max_diff(ours(ids).logits, base) == 0
+    ours.save_pretrained(tmp_path)  # the whole model again, not an adapter
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert max_diff(GPT2LMHeadModel.from_pretrained(tmp_path).eval()(ids).logits, base) == 0
+    with pytest.raises(ValueError, match="No adapter loaded"):
+        ours.active_adapters()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, trainable):
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    ours.save_pretrained(tmp_path)
+    fresh, _ = twins()
+    fresh.train()
+    fresh.load_adapter(tmp_path, is_trainable=trainable)
+    assert fresh.peft_config["default"].inference_mode is not trainable
+    assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
+    lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
+    assert lora and all(g is trainable for g in lora)
+
+
+@pytest.mark.slow
+def test_adapter_files_names_and_refusals_in_detail(tmp_path):
+    """What the adapter methods write and refuse, message by message (found by mutation testing)."""
+    import json
+
+    from safetensors import safe_open
+
+    peft = pytest.importorskip("peft")
+    ours, _ = twins()
+    ours.save_pretrained(tmp_path / "base")
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
+    model.name_or_path = "someone/base"  # as transformers' models carry it
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    assert model.peft_config["default"].base_model_name_or_path == "someone/base"  # the model it adapts
+    model.save_pretrained(tmp_path / "one")
+    assert json.loads((tmp_path / "one" / "adapter_config.json").read_text())["base_model_name_or_path"] == "someone/base"
+    with safe_open(tmp_path / "one" / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' and PEFT's loaders look for
+
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    adapted = model(ids).logits
+    fresh = GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
+    fresh.load_adapter(tmp_path / "one")
+    fresh.load_adapter(tmp_path / "one", adapter_name="second")  # the weights go to the adapter named
+    fresh.set_adapter("second")
+    assert max_diff(fresh(ids).logits, adapted) == 0
+    with pytest.raises(ValueError, match="^Adapter with name second already exists. Please use a different name.$"):
+        fresh.load_adapter(tmp_path / "one", adapter_name="second")
+    with pytest.raises(ValueError, match=r"^hotswap=True: replacing an adapter's weights in place is not supported; "
+                                         r"delete_adapter and load it again$"):
+        fresh.load_adapter(tmp_path / "one", adapter_name="third", hotswap=True)
+    with pytest.raises(ValueError, match="^load_adapter needs peft_model_id, or peft_config and adapter_state_dict$"):
+        fresh.load_adapter(adapter_name="third", peft_config=model.peft_config["default"])
+
+    fresh.set_adapter(["default", "second"])
+    with pytest.raises(ValueError, match=r"adapters \['default', 'second'\] are active together; save them one at a time"):
+        fresh.save_pretrained(tmp_path / "two")
+
+    weights = {f"base_model.model.transformer.h.{i}.attn.c_attn.lora_A.weight": torch.zeros(4, 32) for i in range(5, 9)}
+    with pytest.raises(ValueError) as err:  # four keys that fit no module: three are named
+        fresh.load_adapter(adapter_name="bad", peft_config=peft.LoraConfig(r=4, target_modules=["c_attn"]),
+                           adapter_state_dict=weights)
+    named = [f"transformer.h.{i}.attn.c_attn.lora_A.weight" for i in range(5, 8)]
+    assert str(err.value) == f"adapter_state_dict: adapter weights {named} fit no module"

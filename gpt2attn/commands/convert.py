@@ -31,7 +31,8 @@ def add_arguments(parser) -> None:
         "nanoGPT ckpt.pt, GGUF file, or OpenAI TF checkpoint folder"
     )
     parser.add_argument("dst", help="output: its suffix picks the format: .bin is an llm.c model file, .gguf a GGUF file "
-                        "(llama.cpp; the tokenizer embedded), any other name "
+                        "(llama.cpp; the tokenizer embedded when it is GPT-2's BPE or a character vocabulary of ASCII "
+                        "characters, else a note says why not), any other name "
                         "an HF folder (each written beside and swapped in whole: never half a model)")
     parser.add_argument("--dtype", help="store the weights in this dtype (default: as in SRC): HF folder float32/fp32, "
                         "float16/fp16, bfloat16/bf16; llm.c fp32, bf16; GGUF f32, f16 (default), bf16, q8_0")
@@ -76,8 +77,9 @@ def write_file(args, fmt) -> int:
         tokenizer = load_tokenizer_of(src) if src.is_dir() or gguf.detect(src) else None
     except (FileNotFoundError, ValueError):
         tokenizer = None
-    if fmt is gguf and tokenizer is not None and not gguf.embeds(tokenizer):
-        print(f"note: {dst} is written without the tokenizer: GGUF embeds GPT-2's byte-level BPE only", file=sys.stderr)
+    reason = gguf.why_not_embedded(tokenizer) if fmt is gguf and tokenizer is not None else None
+    if reason is not None:
+        print(f"note: {dst} is written without the tokenizer: {reason}", file=sys.stderr)
         tokenizer = None
     fmt.write(dst, model.state_dict(), model.config, dtype=args.dtype, tokenizer=tokenizer)
     print(f"{args.src} -> {dst}: {model.num_parameters():,} parameters, {fmt.NAME} file of "

@@ -24,7 +24,26 @@ def add_arguments(parser) -> None:
                       help="a second segment, appended to the text: the page gets the sentence-pair filter (A/B)")
     pair.add_argument("--sentence-b-start", type=int, metavar="N",
                       help="the token where the text's second segment starts, for the sentence-pair filter")
+    parser.add_argument("--ablate", default="all", metavar="LAYERS",
+                        help="the layers whose heads the ablation table zeroes one by one: all (default), none, or "
+                             "ranges such as 0-5,10 (each layer costs a pass through it and every later block; "
+                             "the cost is printed before they start)")
     parser.add_argument("--out", required=True, help="the HTML file to write")
+
+
+def layer_list(text: str) -> list[int] | None:
+    """--ablate's value: None for all, [] for none, else the layers of ranges like '0-5,10'."""
+    if text == "all":
+        return None
+    if text == "none":
+        return []
+    layers = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"--ablate {text}: give all, none, or layers and ranges such as 0-5,10")
+        layers += range(int(first), int(last if dash else first) + 1)
+    return layers
 
 
 def page_name(model: str) -> str:
@@ -48,7 +67,9 @@ def sentence_pair(tokenizer, a: str, b: str) -> tuple[str, int]:
 
 
 def run(args) -> int:
-    from ..explore import explore
+    from tqdm import tqdm
+
+    from ..explore import ablation_cost, explore
     from ..model import GPT2LMHeadModel
 
     if Path(args.out).is_dir():
@@ -63,9 +84,23 @@ def run(args) -> int:
     text, split = args.text, args.sentence_b_start
     if args.text_b is not None:
         text, split = sentence_pair(tokenizer, args.text, args.text_b)
+    ablate = layer_list(args.ablate)
     model = GPT2LMHeadModel.from_pretrained(src).eval()
-    page = explore(model, tokenizer, text, position=args.position, generate=args.generate, name=page_name(args.model),
-                   sentence_b_start=split)
+    L, nh = model.config.n_layer, model.config.n_head
+    if ablate is not None and any(layer >= L for layer in ablate):
+        raise ValueError(f"--ablate {args.ablate}: this model's layers are 0 to {L - 1}")
+    layers = range(L) if ablate is None else sorted(set(ablate))
+    cost = ablation_cost(L, layers)
+
+    def progress(n: int) -> None:
+        if n == 0:  # the input is good and the ablations start: say what they cost, then show a bar on a terminal
+            print(f"head ablations: {len(layers)} of {L} layers x {nh} heads, {cost} block passes (a forward pass "
+                  f"is {L}); --ablate LAYERS or none for fewer", file=sys.stderr, flush=True)
+        bar.update(n)
+
+    with tqdm(total=cost, unit="block", desc="ablations", disable=None, leave=False) as bar:
+        page = explore(model, tokenizer, text, position=args.position, generate=args.generate,
+                       name=page_name(args.model), sentence_b_start=split, ablate=ablate, progress=progress)
     page.save(args.out)
     print(f"wrote {args.out}: {model.config.n_layer} layers x {model.config.n_head} heads, "
           f"{len(page.html) / 1e6:.1f} MB", file=sys.stderr)

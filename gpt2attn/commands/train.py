@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+from dataclasses import fields
 
 HELP = "train or fine-tune a GPT-2 (TOML recipe; any key overridable as --key=value)"
 TAKES_OVERRIDES = True
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="a packaged recipe by name (shakespeare_char_cpu, shakespeare_char_default) "
+    from ..training.config import packaged_recipes
+
+    parser.add_argument("--config", help=f"a packaged recipe by name ({', '.join(packaged_recipes())}) "
                         "or the path of a TOML file")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the table of settings as it is
     parser.epilog = (
-        "Every key of the recipe can be overridden: --data=PATH --out_dir=DIR --max_iters=500 "
-        "--init_from=gpt2 --dtype=bfloat16 --compile --resume. Under torchrun it runs DDP (--fsdp for FSDP)."
+        "settings: every key of a recipe, overridden as --key=value (a bare --flag means true);\n"
+        "the recipe's value, else the default below (their meanings: docs/training.md):\n"
+        + settings_table()
+        + "\nUnder torchrun it runs DDP (--fsdp for FSDP)."
     )
+
+
+def settings_table() -> str:
+    """One line per TrainConfig field: --name=TYPE and its default."""
+    from ..training.config import TrainConfig
+
+    rows = [(f"--{f.name}={f.type.upper()}", repr(f.default)) for f in fields(TrainConfig)]
+    width = max(len(flag) for flag, _ in rows)
+    return "".join(f"  {flag:{width}}  default {default}\n" for flag, default in rows)
 
 
 def run(args) -> int:

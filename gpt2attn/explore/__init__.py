@@ -13,7 +13,8 @@ The page (page.html beside this file, with the data filled in) has six views:
     layers          what each layer would predict (the logit lens): each layer's residual stream
                     through ln_f and lm_head, the top token per layer x position and its top-5
     prediction      the next-token top-5 at a position, and per head the change of the log-prob
-                    of the model's top token there when that head is zeroed
+                    of the model's top token there when that head is zeroed (the chosen layers'
+                    heads: ablate=; each layer costs a pass through it and every later block)
     decoding        with generate=N: each greedy step's new query row over the cached keys
 
 With sentence_b_start=b (as bertviz's) the text is two segments, A = tokens 0..b-1 and B = b..T-1,
@@ -36,6 +37,7 @@ import base64
 import html
 import json
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,14 +79,18 @@ class Page:
 
 
 def explore(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1,
-            generate: int = 0, name: str = "", sentence_b_start: int | None = None) -> Page:
+            generate: int = 0, name: str = "", sentence_b_start: int | None = None,
+            ablate: Sequence[int] | None = None, progress: Callable[[int], object] | None = None) -> Page:
     """The page for `text`. position: the query whose prediction the ablation table explains
     (negative counts from the end; default the last). generate: greedy steps for the decoding
     view. name: the model's name shown on the page. sentence_b_start: the token where a second
-    segment starts (1..T-1), for the sentence-pair filter. Bad input is a ValueError naming it."""
+    segment starts (1..T-1), for the sentence-pair filter. ablate: the layers whose heads are
+    zeroed one by one for the ablation table (default all; see ablation_cost), the others' rows
+    left empty; progress(0) is called as they start, after the input is checked, and progress(n)
+    as each layer's finish, n its block passes. Bad input is a ValueError naming it."""
     if hasattr(tokenizer, "backend_tokenizer"):  # a transformers fast tokenizer: the Tokenizer inside
         tokenizer = tokenizer.backend_tokenizer
-    data = page_data(model, tokenizer, text, position, generate, sentence_b_start)
+    data = page_data(model, tokenizer, text, position, generate, sentence_b_start, ablate, progress)
     data["model"] = name
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")  # no "</script>" inside the data
     title = "gpt2attn explore" + (f" · {html.escape(name)}" if name else "")
@@ -94,11 +100,15 @@ def explore(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: i
 
 @torch.no_grad()
 def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position: int = -1, generate: int = 0,
-              sentence_b_start: int | None = None) -> dict:
+              sentence_b_start: int | None = None, ablate: Sequence[int] | None = None,
+              progress: Callable[[int], object] | None = None) -> dict:
     """Everything the page shows, as JSON-ready values (see the module docstring for the encoding)."""
     if not isinstance(model, GPT2LMHeadModel):
         raise ValueError(f"explore needs a gpt2attn GPT2LMHeadModel, got {type(model).__name__}")
     cfg = model.config
+    if ablate is not None and any(type(layer) is not int or not 0 <= layer < cfg.n_layer for layer in ablate):
+        raise ValueError(f"ablate: this model's layers are 0 to {cfg.n_layer - 1}, got {list(ablate)}")
+    layers = range(cfg.n_layer) if ablate is None else sorted(set(ablate))
     if not text:
         raise ValueError("the text is empty")
     ids = encode(tokenizer, text)
@@ -124,7 +134,7 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
     logp = out.logits[0].float().log_softmax(-1)  # (T, V)
     top = logp.topk(min(TOP_K, logp.size(-1)))  # (T, k)
     target = int(top.indices[position, 0])
-    effects = head_effects(model, out.hidden_states, position, target) - logp[position, target]  # (L, nh)
+    effects = head_effects(model, out.hidden_states, position, target, layers, progress) - logp[position, target]
     q, k = queries_keys(model, out.hidden_states)  # (L, nh, T, hs) each
 
     return {
@@ -141,7 +151,8 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
         "top": [[[label, round(p, 4)] for label, p in zip(token_labels(tokenizer, row_ids), row_p)]
                 for row_ids, row_p in zip(top.indices.tolist(), top.values.exp().tolist())],
         "target": token_labels(tokenizer, [target])[0],
-        "effects": [[round(e, 4) for e in row] for row in effects.tolist()],
+        "effects": [[round(e, 4) for e in row] if layer in layers else None  # None: not ablated
+                    for layer, row in enumerate(effects.tolist())],
         "attn": [[pack(triangle(w)) for w in layer] for layer in weights],
         "q": [[pack(head, signed=True) for head in layer] for layer in q],
         "k": [[pack(head, signed=True) for head in layer] for layer in k],
@@ -151,21 +162,34 @@ def page_data(model: GPT2LMHeadModel, tokenizer: Tokenizer, text: str, position:
     }
 
 
-def head_effects(model: GPT2LMHeadModel, hidden: tuple[Tensor, ...], position: int, token: int) -> Tensor:
-    """log p(token) at `position` with each head zeroed in turn, (L, nh). One batch per layer: row
-    b zeroes head b (as inspect.zero_head does to attn.weights), starting from the clean run's
-    input to that layer (hidden[L]) and cut after `position`, which no earlier query sees."""
-    base, nh = model.transformer, model.config.n_head
+def ablation_cost(n_layer: int, layers: Sequence[int]) -> int:
+    """Block passes (each a batch of n_head rows) that head_effects makes for these layers: each
+    ablated layer runs its own block and every later one."""
+    return sum(n_layer - layer for layer in layers)
+
+
+def head_effects(model: GPT2LMHeadModel, hidden: tuple[Tensor, ...], position: int, token: int,
+                 layers: Sequence[int] | None = None, progress: Callable[[int], object] | None = None) -> Tensor:
+    """log p(token) at `position` with each head zeroed in turn, (L, nh); the rows of layers not in
+    `layers` (default: all) are NaN. One batch per layer: row b zeroes head b (as inspect.zero_head
+    does to attn.weights), starting from the clean run's input to that layer (hidden[L]) and cut
+    after `position`, which no earlier query sees. progress(0) as they start, then progress(n) after
+    each layer: its n block passes."""
+    base, nh, n_layer = model.transformer, model.config.n_head, model.config.n_layer
     keep = 1.0 - torch.eye(nh, device=hidden[0].device, dtype=hidden[0].dtype)[:, :, None, None]  # (nh, nh, 1, 1)
-    rows = []
-    for layer, block in enumerate(base.h):
+    effects = torch.full((n_layer, nh), float("nan"))
+    if progress is not None:
+        progress(0)  # starting: the input has been checked
+    for layer in range(n_layer) if layers is None else layers:
         x = hidden[layer][:, : position + 1].expand(nh, -1, -1)  # (nh, P+1, C)
-        x, _, _ = block(x, head_mask=keep)
+        x, _, _ = base.h[layer](x, head_mask=keep)
         for later in base.h[layer + 1:]:
             x, _, _ = later(x)
         logits = model.lm_head(base.ln_f(x[:, -1]))  # (nh, V)
-        rows.append(logits.float().log_softmax(-1)[:, token])
-    return torch.stack(rows).cpu()
+        effects[layer] = logits.float().log_softmax(-1)[:, token].cpu()
+        if progress is not None:
+            progress(ablation_cost(n_layer, [layer]))
+    return effects
 
 
 def queries_keys(model: GPT2LMHeadModel, hidden: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:

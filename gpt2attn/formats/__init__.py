@@ -59,16 +59,26 @@ def detect_format(path: str | os.PathLike):
 
 def format_for_suffix(path: str | os.PathLike):
     """The format that writes `path`, picked by its suffix: .bin is llm.c, .gguf is GGUF, and a name
-    with no other format's suffix is an HF folder. A suffix of a read-only format is an error."""
+    with no suffix, or one that is not all letters ('model.v2'), is an HF folder. A suffix of a
+    read-only format, or any other suffix of letters ('.onnx', '.safetensors': a file's name), is an
+    error that says what writes such a file, if anything."""
     path = Path(path)
     owners = [fmt for fmt in FORMATS if path.suffix and path.suffix in fmt.SUFFIXES]
-    if not owners:
+    if owners and hasattr(owners[0], "write"):
+        return owners[0]
+    if not owners and not path.suffix[1:].isalpha():
         return hf
-    if not hasattr(owners[0], "write"):
-        writable = ", ".join(s for fmt in FORMATS if hasattr(fmt, "write") for s in fmt.SUFFIXES if s)
-        raise ValueError(f"{path}: gpt2attn reads {owners[0].NAME} files ({path.suffix}) but does not write them; "
-                         f"write {writable} or a folder (Hugging Face)")
-    return owners[0]
+    writable = ", ".join(s for fmt in FORMATS if hasattr(fmt, "write") for s in fmt.SUFFIXES if s)
+    if owners:
+        why = f"gpt2attn reads {owners[0].NAME} files ({path.suffix}) but does not write them"
+    elif path.suffix == ".onnx":
+        why = f"ONNX files are written by `gpt2attn export MODEL {path}`, not here"
+    elif path.suffix in hf.FILE_SUFFIXES:
+        why = (f"a Hugging Face model is written as a folder (config.json, {hf.SAFE_WEIGHTS}, tokenizer files), "
+               f"not one {path.suffix} file: name the folder, e.g. {path.with_suffix('')}")
+    else:
+        why = f"the name looks like a {path.suffix} file, a format gpt2attn does not write"
+    raise ValueError(f"{path}: {why}; write {writable} or a folder (Hugging Face)")
 
 
 def weights_file(fmt, path: Path) -> Path:

@@ -11,7 +11,9 @@ which also writes.
 
 Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
 1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
-tokenizer embedded when it is GPT-2's byte-level BPE.
+tokenizer embedded when it is GPT-2's byte-level BPE, or a character vocabulary of ASCII characters
+(char_tokenizer's): each character is then one byte, written as a byte-level token with no merges,
+and read back as the character tokenizer it was.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config, inner_dim, is_int
 from ..errors import CheckpointError
 from ..files import write_atomic
-from ..tokenizer import EOS_TOKEN, byte_level_bpe
+from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
 from .state_dict import MAX_DIM_SIZE, normalize_keys
 
 NAME = "gguf"
@@ -324,6 +326,11 @@ def read_tokenizer(file: GGUFFile):
         raise CheckpointError(file.path, f"tokenizer.ggml.merges[{bad}] is {merges[bad]!r:.80}, not two tokens "
                                          f"separated by a space")
     special = [t for t, kind in zip(tokens, types) if kind == 3]  # CONTROL
+    byte_of = _byte_level_alphabet()
+    used = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind != 5}  # 5: UNUSED ([PADi])
+    if not merges and not special and all(len(t) == 1 and byte_of.get(t, 128) < 128 for t in used):
+        # ASCII bytes and nothing to merge: a character vocabulary, as gguf_vocabulary writes one
+        return characters({chr(byte_of[token]): i for token, i in used.items()})
     merges = [tuple(m.split(" ", 1)) for m in merges]
     return byte_level_bpe({token: i for i, token in enumerate(tokens)}, merges, special, file=file.path)
 
@@ -413,9 +420,20 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     write_atomic(path, write_file)
 
 
-def embeds(tokenizer) -> bool:
-    """Whether a GGUF file can carry this tokenizer (GPT-2's byte-level BPE)."""
-    return json.loads(tokenizer.to_str())["model"]["type"] == "BPE"
+def why_not_embedded(tokenizer) -> str | None:
+    """Why a GGUF file cannot carry this tokenizer; None when it can (GPT-2's byte-level BPE, or a
+    character vocabulary whose characters are all ASCII, one byte each)."""
+    spec = json.loads(tokenizer.to_str())
+    if spec["model"]["type"] == "BPE":
+        return None
+    if not is_characters(spec):
+        return f"GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is {spec['model']['type']}"
+    wide = sorted(c for c in spec["model"]["vocab"] if not c.isascii())
+    if not wide:
+        return None
+    shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in wide[:10]) + (f" and {len(wide) - 10} more" if len(wide) > 10 else "")
+    return (f"GGUF's GPT-2 tokenizer holds a character vocabulary only when every character is one byte (ASCII); "
+            f"this one has {shown}")
 
 
 def gguf_vocabulary(path: Path, tokenizer, config: GPT2Config) -> tuple[list[str], list[int], list[str], int | None]:
@@ -423,11 +441,14 @@ def gguf_vocabulary(path: Path, tokenizer, config: GPT2Config) -> tuple[list[str
     [PADi]) and its type, the merges, and <|endoftext|>'s id. Types: 1 normal (the BPE's own
     tokens), 3 control (added tokens marked special or written <|...|>), 4 user-defined (other
     added tokens), 5 unused."""
+    reason = why_not_embedded(tokenizer)
+    if reason is not None:
+        raise ValueError(f"{path}: {reason} (write the model without it, or to an HF folder)")
     spec = json.loads(tokenizer.to_str())
-    if spec["model"]["type"] != "BPE":
-        raise ValueError(f"{path}: GGUF embeds GPT-2's byte-level BPE tokenizer; this tokenizer is "
-                         f"{spec['model']['type']} (write the model without it, or to an HF folder)")
     vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if is_characters(spec):  # one byte each: GPT-2's byte-level spelling of it, nothing to merge
+        char_of = {byte: ch for ch, byte in _byte_level_alphabet().items()}
+        vocab, spec["model"]["merges"] = {char_of[ord(c)]: i for c, i in vocab.items()}, []
     if max(vocab.values(), default=-1) >= config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {len(vocab)} tokens, the model's vocabulary {config.vocab_size}")
     tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]

@@ -63,9 +63,15 @@ def check_state_dict(state: Any, where: str | Path) -> dict[str, Tensor]:
     return state
 
 
+def layer_of(key: str) -> int | None:
+    """The block number i of an h.{i}. key (with or without `transformer.`); None for other keys."""
+    m = re.match(r"(?:transformer\.)?h\.(\d{1,9})\.", key)
+    return int(m.group(1)) if m else None
+
+
 def layer_indices(state: dict[str, Tensor]) -> set[int]:
     """The block numbers i of a state dict's h.{i}. keys (with or without `transformer.`)."""
-    return {int(m.group(1)) for key in state if (m := re.match(r"(?:transformer\.)?h\.(\d{1,9})\.", key))}
+    return {i for key in state if (i := layer_of(key)) is not None}
 
 
 def infer_config(state: dict[str, Tensor], where: str | Path = "state dict") -> GPT2Config:

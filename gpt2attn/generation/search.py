@@ -31,7 +31,7 @@ def sample_search(dec, logits: Tensor, out: Tensor, cur: int, cfg, chain: list[P
             tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
         else:
             tokens = scores.argmax(dim=-1)
-        if stops is not None:
+        if cfg.eos_ids:  # a finished row gets pad; without eos it keeps its tokens, as in transformers
             tokens = tokens.masked_fill(~unfinished, pad)
         out[:, cur] = tokens
         cur += 1

@@ -19,6 +19,7 @@ VL, DQ and VNNI) they are built with those too, and the rows products then take 
 int8 a step (simd.h). They are compiled on first use with the system's C++ compiler into a cache
 folder, under a name keyed by the sources, the flags, the compiler and this CPU, and loaded with
 ctypes; they link the OpenMP runtime torch already loaded (libgomp), so their threads are torch's.
+A build (seconds) says so in one line on stderr.
 
 The cache cannot take the process down: a library is published under its name only once complete
 (written aside, then renamed), and the name carries a digest of its bytes, checked before it is
@@ -44,6 +45,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import lru_cache
@@ -204,6 +206,9 @@ def _compile(sources: list[Path], build_flags: list[str], folder: Path, prefix: 
     """Compile into a folder of its own beside the cache, then rename: the cache never holds half a file."""
     compiler = _compiler()
     folder.mkdir(parents=True, exist_ok=True)
+    # said once: a first build takes seconds with nothing else on screen (a cached one says nothing)
+    print(f"gpt2attn: compiling the CPU decoding kernels for this CPU, once (cached in {folder})",
+          file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built, log = Path(tmp) / "lib.so", Path(tmp) / "log"
         with open(log, "w") as out:  # a file, not a pipe: a compiler's children cannot keep it open on us
