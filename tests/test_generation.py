@@ -389,3 +389,30 @@ def test_a_forward_pre_hook_on_a_block_acts_on_every_step_of_generate(quantized)
     assert torch.equal(steered, expected)
     assert not torch.equal(steered, plain)  # the hook changes the text: the comparison has teeth
     assert calls[:2] == [4, 1]  # the prompt, then one token per step
+
+
+def test_hooks_on_the_model_itself_see_every_step_of_generate_as_in_transformers():
+    """transformers' generate calls the model once per step, so a pre-hook on the model sees the prompt
+    and then each new token (by keyword, input_ids=...), and a forward hook that edits the logits
+    changes the tokens. Ours does the same: the same calls and the same tokens as transformers."""
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=2).eval()
+    twin = hf_twin(model, "sdpa")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    seen = {"ours": [], "theirs": []}
+
+    def watcher(name):
+        def pre_hook(module, args, kwargs):
+            seen[name].append(tuple(kwargs["input_ids"].shape))
+        return pre_hook
+
+    def favour_9(module, args, kwargs, out):
+        out.logits[..., 9] += 1e4
+        return out
+
+    for name, m in (("ours", model), ("theirs", twin)):
+        m.register_forward_pre_hook(watcher(name), with_kwargs=True)
+        m.register_forward_hook(favour_9, with_kwargs=True)
+    ours = model.generate(prompt, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    theirs = twin.generate(prompt, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours, theirs) and ours[0, 4:].tolist() == [9] * 5
+    assert seen["ours"] == seen["theirs"] == [(1, 4)] + [(1, 1)] * 4

@@ -96,6 +96,7 @@ class Decoder:
         # New tokens go after every shared position, so only a rollback lowers it.
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
         self.record = record or {}
+        self.hooked = bool(model._forward_hooks or model._forward_pre_hooks)  # hooks on the model itself
         self.unfused = unfused_reason(model, rows, token_type_ids, bool(self.record))  # None: one call per new token
         self.step = DecodeStep(model) if self.unfused is None else None
         self.mask = self.positions = None
@@ -130,13 +131,18 @@ class Decoder:
                 self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
             else:
                 kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
-        hidden = self.model.transformer(ids, inputs_embeds=embeds, cache=self.cache, use_cache=True, return_dict=True,
-                                        output_attentions="attentions" in self.record,
-                                        output_hidden_states="hidden_states" in self.record, **kwargs)
+        kwargs.update(inputs_embeds=embeds, cache=self.cache, use_cache=True, return_dict=True,
+                      output_attentions="attentions" in self.record, output_hidden_states="hidden_states" in self.record)
+        if self.hooked:  # the model's own forward, so its hooks see each step as in transformers' generate
+            out = self.model(input_ids=ids, **kwargs)  # by keyword, as transformers calls it
+            logits = out.logits  # (N, k, V)
+        else:  # the last position's logits alone
+            out = self.model.transformer(ids, **kwargs)
+            h = out.last_hidden_state
+            logits = self.model.lm_head(h if all_positions else h[:, -1:])  # (N, k or 1, V)
         for key in self.record:
-            self.record[key].append(getattr(hidden, key))  # per layer: (N, nh, k, T_k) / (N, k, C)
-        h = hidden.last_hidden_state
-        return self.model.lm_head(h if all_positions else h[:, -1]).float()  # (N, [k,] V)
+            self.record[key].append(getattr(out, key))  # per layer: (N, nh, k, T_k) / (N, k, C)
+        return (logits if all_positions else logits[:, -1]).float()  # (N, [k,] V)
 
     def _positions(self, k: int) -> Tensor:
         """Position ids (N, k) of the next k tokens: the prompt's from its mask, then counting on."""
