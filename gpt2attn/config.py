@@ -185,6 +185,17 @@ class GPT2Config:
         """Raise ValueError naming the field for a value no GPT-2 config may hold."""
         check_config(self)
 
+    _name_or_path = ""  # where from_pretrained read the model from (not saved, as in transformers)
+
+    @property
+    def name_or_path(self) -> str:
+        """The folder, file or hub name from_pretrained read this config's model from ("" otherwise)."""
+        return self._name_or_path
+
+    @name_or_path.setter
+    def name_or_path(self, value: str) -> None:
+        self._name_or_path = str(value)
+
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """transformers 4's name for `dtype`."""
@@ -314,7 +325,7 @@ class GPT2Config:
 
 
 _FIELDS = frozenset(f.name for f in fields(GPT2Config))
-NOT_SAVED = frozenset({"_attn_implementation"})
+NOT_SAVED = frozenset({"_attn_implementation", "_name_or_path"})
 _DEFAULTS = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(GPT2Config)}
 GPT2Config.attribute_map = dict(ALIASES)  # transformers' name for the alias table
 

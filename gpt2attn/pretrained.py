@@ -6,6 +6,7 @@ their resizing, activation checkpointing switches, parameter counts. model.py bu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         check_config(config)  # gpt2attn's GPT2Config, transformers' or any config with GPT-2's fields
         config._attn_implementation = checked_attn_implementation(getattr(config, "_attn_implementation", None))
         self.config = config
+        self.name_or_path = getattr(config, "name_or_path", "")  # what adapters record as their base model
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, dtype: Any = None, device: Any = None,
@@ -66,6 +68,8 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         quantize='fp32', 'fp16', 'bf16' or 'int8' then applies gpt2attn.quantize (CPU inference)."""
         loaded = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
         model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # as transformers records it
+            model.config.name_or_path = model.name_or_path = str(pretrained_model_name_or_path)
         if quantize is not None:
             model.quantize(quantize)
         return (model, info) if info is not None else model

@@ -223,3 +223,16 @@ def test_generate_continues_from_a_cache_with_the_whole_sequence_embedded():
     hf_first = twin.generate(inputs_embeds=embeds, max_new_tokens=3, **kw)
     hf_last = twin.generate(inputs_embeds=continued, max_new_tokens=1, past_key_values=hf_first.past_key_values, **kw)
     assert torch.equal(last.sequences, hf_last.sequences)
+
+
+def test_from_pretrained_records_where_the_model_came_from(tmp_path):
+    """As transformers: model.name_or_path and config.name_or_path (TRL's DPO builds its reference
+    model from it; an adapter records it as its base model); not written into config.json."""
+    peft = pytest.importorskip("peft")
+    GPT2LMHeadModel(tiny_config()).save_pretrained(tmp_path)
+    model = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert model.name_or_path == model.config.name_or_path == model.config._name_or_path == str(tmp_path)
+    assert "_name_or_path" not in model.config.to_dict()
+    model.add_adapter(peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    assert model.peft_config["default"].base_model_name_or_path == str(tmp_path)
+    assert GPT2LMHeadModel(tiny_config()).name_or_path == ""
