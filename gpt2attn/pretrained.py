@@ -47,7 +47,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False  # no registry of attention kernels to choose from
-    _can_compile_fullgraph = True  # the forward traces as one graph (static caches included)
+    _can_compile_fullgraph = True  # the forward traces as one graph (tests/test_export.py)
     _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
     _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device
     _keep_in_fp32_modules: set[str] = set()  # no module must stay in fp32 when the rest is fp16
@@ -124,11 +124,6 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         dtype = dtype if dtype is not None else torch_dtype
         model = cls(config)
         return model.to(as_torch_dtype(dtype)) if dtype not in (None, "auto") else model
-
-    @classmethod
-    def from_config(cls, config: Any, **kwargs: Any):
-        """See _from_config."""
-        return cls._from_config(config, **kwargs)
 
     def post_init(self) -> None:
         """transformers' last step of a model's __init__. Each class's __init__ here has already
