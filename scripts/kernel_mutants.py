@@ -80,7 +80,7 @@ def apply(root: Path, index: int) -> None:
 
 def run_mutant(index: int, workdir: Path, timeout: float) -> dict:
     root = workdir / f"m{index:02d}"
-    for part in ("gpt2attn", "tests", "configs", "docs"):
+    for part in ("gpt2attn", "tests", "configs", "docs", "scripts"):  # scripts: the read-rate benchmark the tests import
         shutil.copytree(REPO / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "pyproject.toml", root / "pyproject.toml")
     apply(root, index)
