@@ -143,15 +143,15 @@ class GPT2Config:
     def __init__(self, **kwargs: Any) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
-        self._attn_implementation = None  # None: chosen when a model is built (see attention_backend.py)
+        self._attn_implementation = None  # None: chosen when a model is built (GPT2PreTrainedModel)
         model_type = kwargs.pop("model_type", "gpt2")
         if model_type != "gpt2":
             raise ValueError(f"config has model_type {model_type!r}; gpt2attn builds only 'gpt2' models")
         num_labels = kwargs.pop("num_labels", None)
         for key in ("attn_implementation", "_attn_implementation"):
-            if kwargs.get(key) is not None:
-                self._attn_implementation = kwargs.pop(key)
-            kwargs.pop(key, None)
+            value = kwargs.pop(key, None)
+            if value is not None:
+                self._attn_implementation = value
         unknown = []
         for key, value in kwargs.items():
             key = ALIASES.get(key, key)
@@ -199,7 +199,7 @@ class GPT2Config:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """transformers 4's name for `dtype`."""
-        return getattr(self, "dtype", None)
+        return self.dtype
 
     @torch_dtype.setter
     def torch_dtype(self, value: Any) -> None:
@@ -418,18 +418,15 @@ def check_config(config: Any) -> None:
             "a list of class names or None")
 
 
-DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
 def as_torch_dtype(value: Any) -> torch.dtype | None:
-    """A config's dtype ("float16", "torch.float16" or torch.float16) as a torch dtype; None and
-    "auto" are kept as they are."""
+    """A config's dtype ("float16", "torch.float16" or torch.float16) as a torch dtype, read as
+    transformers reads it (torch's own name); None and "auto" are kept as they are."""
     if value is None or isinstance(value, torch.dtype) or value == "auto":
         return value
-    name = str(value).removeprefix("torch.")
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"GPT2Config.dtype must be one of {', '.join(DTYPE_NAMES)}, got {value!r}")
-    return DTYPE_NAMES[name]
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"GPT2Config.dtype must name a torch dtype (float32, float16, bfloat16, ...), got {value!r}")
+    return dtype
 
 
 def is_int(value: Any) -> bool:

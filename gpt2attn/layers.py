@@ -170,12 +170,12 @@ class Attention(nn.Module):
         else:
             # a branch, not a bare comparison: under torch.compile with symbolic sizes SDPA still gets a bool
             is_causal = True if causal and mask is None and T_q == T_k and T_q > 1 else False
-            if causal and mask is None and 1 < T_q < T_k:
-                mask = causal_mask(T_q, T_k, q.device)
             sees_nothing = None
-            if mask is not None:
+            if mask is not None:  # a padding mask (bool): a query may see no key at all
                 sees_nothing = ~mask.any(dim=-1, keepdim=True)  # (B, 1, T_q, 1)
                 mask = mask | sees_nothing  # a finite softmax there, whose output is then dropped
+            elif causal and 1 < T_q < T_k:  # every query sees itself
+                mask = causal_mask(T_q, T_k, q.device)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale
             )
@@ -282,7 +282,8 @@ def encoder_attention(
     """Check the encoder's states (B, T_enc, n_embd) and return the mask cross-attention uses.
 
     A 2-D (B, T_enc) padding mask (1 = token, 0 = padding) becomes a bool (B, 1, 1, T_enc) (a row
-    of padding alone: see Attention.forward); a 4-D one is used as it is; None lets every query see every encoder position.
+    of padding alone: see Attention.forward); a 4-D one is used as it is; None lets every query see
+    every encoder position.
     """
     if encoder_hidden_states is None:
         if mask is not None:

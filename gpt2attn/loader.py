@@ -116,13 +116,14 @@ def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device,
     new_head = fit_head_keys(state, expected, skip, type(model).__name__, where)
     info = forgive(state, expected, skip | set(new_head), lenient, where)
     info["missing_keys"] |= set(new_head)  # a head the checkpoint lacks is reported too, as transformers does
-    check_state(state, expected, skip=skip | info["missing_keys"], where=where)
+    initialised = info["missing_keys"] | info["mismatched_keys"]
+    check_state(state, expected, skip=skip | initialised, where=where)
     device = torch.device(device) if device is not None else None
     if dtype is None:  # a checkpoint mixing float dtypes is cast to its token embedding's, so the model runs
         stored = {t.dtype for t in state.values() if t.is_floating_point()}
         wte = state.get("transformer.wte.weight", state.get("wte.weight"))
         dtype = wte.dtype if len(stored) > 1 and wte is not None else None
-    to_init = sorted(info["missing_keys"])
+    to_init = sorted(initialised)
     if to_init:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         init_new_head(model, to_init, config, device, dtype or stored)
@@ -145,14 +146,13 @@ def forgive(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str
         for key in mismatched:
             del state[key]
         info["mismatched_keys"] = mismatched
-        info["missing_keys"] = set(mismatched)
         warnings.warn(f"{where}: weights of the wrong shape, newly initialised: {shorten(sorted(mismatched))}",
                       stacklevel=5)
     if lenient.missing:
         for key in unexpected:
             del state[key]
         info["unexpected_keys"] = unexpected
-        info["missing_keys"] |= missing
+        info["missing_keys"] = missing
         if missing:
             warnings.warn(f"{where}: weights the checkpoint lacks, newly initialised: {shorten(sorted(missing))}",
                           stacklevel=5)

@@ -169,6 +169,10 @@ def test_from_pretrained_loading_report(tmp_path):
         five = gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5,
                                                                        ignore_mismatched_sizes=True)
     assert five.score.weight.shape == (5, 32)
+    with pytest.warns(UserWarning, match="wrong shape"):
+        _, info = gpt2attn.GPT2ForSequenceClassification.from_pretrained(
+            tmp_path / "head", num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True)
+    assert info["mismatched_keys"] == {"score.weight"} and info["missing_keys"] == set()  # reported apart
 
 
 def test_from_pretrained_of_a_state_dict_and_under_meta(tmp_path):
