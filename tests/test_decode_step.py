@@ -111,9 +111,11 @@ def test_step_at_gpt2_small_shapes(gpt2_small_blocks, build, mode, large_scores,
         model.quantize(mode)
     expected, got, ref_cache, cache = both_ways(model, 2, prompt_len=12)  # 13 keys: 8 a vector, and a tail
     # int8 rounds each product's input to 255 levels per 32 values: where the step's LayerNorm or
-    # GELU differs from torch's in the last bit, a value can round the other way, and attention as
-    # sharp as these large scores make it carries that into the logits (about 1% measured)
-    tolerance = 0.05 if mode == "int8" and large_scores else 1e-5
+    # GELU differs from torch's in the last bit, a value can round the other way, which moves the
+    # logits by about 1%, at large scores and at ordinary ones alike (measured on 12 random
+    # gpt2-small-shaped models at ordinary scores: 8 within 3e-7, 4 at 0.5-1.4%; with 1e-5 here
+    # the test failed on about one run in three)
+    tolerance = 0.05 if mode == "int8" else 1e-5
     assert max_diff(got, expected) / expected.abs().max() < tolerance
     assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < tolerance
 
