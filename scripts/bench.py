@@ -4,7 +4,7 @@ NAME is one of forward, load, generate, decode, train, recipe, explore; each liv
 (`generate --llama-cpp PATH` is `decode --llama-cpp PATH`: CPU decoding against llama.cpp),
 prints its figures and the ratios, and returns its table rows. This script writes those rows with
 the date, the machine (CPU model and flags, cores, threads), torch's version and the command to
-docs/benchmarks/results/NAME.json (the latest run of each bench; --no-save to keep the old one);
+docs/benchmarks/results/NAME.json (the latest run of each bench on each CPU family; --no-save to keep the old one);
 `python scripts/render_benchmarks.py` then renders docs/benchmarks.md from the result files.
 Benchmarks are never part of the test suite.
 """

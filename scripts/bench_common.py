@@ -11,6 +11,7 @@ import platform
 import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -117,11 +118,40 @@ def machine_line() -> str:
 
 # --- result files ----------------------------------------------------------------------------
 # A bench module's main(argv) returns its rows (a list of dicts, one table row each, the same keys
-# in every row), or several such tables as {caption: rows}; scripts/bench.py writes them with the facts below to RESULTS_DIR/<bench>.json, the
-# latest run per bench, and scripts/render_benchmarks.py turns those files into docs/benchmarks.md.
+# in every row), or several such tables as {caption: rows}; scripts/bench.py writes them with the
+# facts below to RESULTS_DIR/<bench>.json, which keeps the latest run on each CPU family the bench
+# has met (a run replaces only its own family's), and scripts/render_benchmarks.py turns those files
+# into docs/benchmarks.md, one section per family.
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "results"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd")
+
+
+def cpu_family(machine: dict) -> str:
+    """The CPU model and the widest instruction family it offers the kernels: 'AMD EPYC, AVX-512'."""
+    flags = set(machine["cpu_flags"])
+    widest = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+              else "NEON" if flags & {"neon", "asimd"} else "no AVX2")
+    return f"{machine['cpu']}, {widest}"
+
+
+def code_version() -> str:
+    """The commit the bench ran on (with '-dirty' for uncommitted changes), or 'unknown' outside git."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def read_runs(path: Path) -> list[dict]:
+    """The runs a result file holds, newest first (a file from before families were kept holds one)."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    runs = data["runs"] if "runs" in data else [data]
+    return sorted(runs, key=lambda run: run["date"], reverse=True)
 
 
 def machine_facts() -> dict:
@@ -152,22 +182,28 @@ def machine_facts() -> dict:
 
 def write_results(bench: str, argv: list[str], rows: list[dict] | dict[str, list[dict]],
                   started: datetime.datetime, results_dir: Path = RESULTS_DIR) -> Path:
-    """results_dir/<bench>.json: the date, the machine, the command and the tables of this run."""
+    """Record this run (date, machine, commit, command, tables) in results_dir/<bench>.json in place of
+    the previous run on the same CPU family; the other families' runs stay as they were."""
     tables = rows if isinstance(rows, dict) else {"": rows}
     for caption, table in tables.items():
         if not table or not all(isinstance(row, dict) and row.keys() == table[0].keys() for row in table):
             raise ValueError(f"bench {bench!r}, table {caption!r}: want a non-empty list of dicts with the same keys, "
                              f"got {table!r}")
+    machine = machine_facts()
     record = {
         "bench": bench,
         "date": started.isoformat(timespec="seconds"),
+        "family": cpu_family(machine),
+        "commit": code_version(),
         "command": shlex.join(["python", "scripts/bench.py", bench, *argv]),
-        "machine": machine_facts(),
+        "machine": machine,
         "tables": tables,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{bench}.json"
+    others = [run for run in read_runs(path) if run.get("family", cpu_family(run["machine"])) != record["family"]]
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    text = json.dumps({"bench": bench, "runs": [record, *others]}, indent=1, ensure_ascii=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path

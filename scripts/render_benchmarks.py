@@ -4,16 +4,17 @@
     python scripts/render_benchmarks.py --check  # exit 1 if docs/benchmarks.md is out of date
 
 Every figure on the page comes from docs/benchmarks/results/<bench>.json (the latest run of each
-bench) and is printed beside that run's date, machine and command; nothing on the page is typed in
-by hand except what each bench measures. tests/test_docs.py fails when the page and the result
+bench on each CPU family it has met) and is printed under its CPU family, beside that run's date,
+machine, commit and command; nothing on the page is typed in by hand except what each bench measures. tests/test_docs.py fails when the page and the result
 files disagree.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from bench_common import cpu_family, read_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "benchmarks" / "results"
@@ -74,23 +75,29 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         "prints its figures and ratios, and writes them with the date, the machine and the command to "
         "`docs/benchmarks/results/NAME.json`; this page is rendered from those files by "
         "`python scripts/render_benchmarks.py`, and a test fails when the two disagree. Each table below "
-        "is the latest run of its bench: absolute times belong to the machine named above the table, "
+        "is the latest run of its bench on one CPU family (a bench that has run on several keeps the latest "
+        "on each, under the family's name): absolute times belong to the machine named above the table, "
         "and the ratios move much less from machine to machine than the times do.",
         "",
     ]
     missing = []
     for bench, about in ABOUT.items():
-        path = results_dir / f"{bench}.json"
-        if not path.is_file():
+        runs = read_runs(results_dir / f"{bench}.json")
+        if not runs:
             missing.append(bench)
             continue
-        record = json.loads(path.read_text(encoding="utf-8"))
-        lines += [f"## {bench}", "", about, "", f"Run {record['date']} on {machine_line(record['machine'])}:",
-                  "", f"`{record['command']}`", ""]
-        for caption, rows in record["tables"].items():
-            if caption:
-                lines += [f"{caption}:", ""]
-            lines += table(rows) + [""]
+        lines += [f"## {bench}", "", about, ""]
+        if len(runs) > 1:
+            lines += ["One section per CPU family this bench has run on, newest first: a figure belongs to its "
+                      "family's machine and to the code of its commit.", ""]
+        for run in runs:
+            commit = f" (code at {run['commit']})" if "commit" in run else ""
+            lines += [f"### {run.get('family', cpu_family(run['machine']))}", "",
+                      f"Run {run['date']}{commit} on {machine_line(run['machine'])}:", "", f"`{run['command']}`", ""]
+            for caption, rows in run["tables"].items():
+                if caption:
+                    lines += [f"{caption}:", ""]
+                lines += table(rows) + [""]
     if missing:
         lines += ["## Not yet recorded", "",
                   "These benches have no result file yet (each takes minutes and was not run into one); "

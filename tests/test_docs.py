@@ -254,12 +254,39 @@ def test_a_bench_run_becomes_a_table_with_its_machine_date_and_command(tmp_path)
     page = render_benchmarks.render(tmp_path)
     facts = bench_common.machine_facts()
     section = page.split("## forward")[1].split("\n## ")[0]
-    assert f"Run 2026-01-02T03:04:05+00:00 on {facts['cpu']}" in section and f"torch {facts['torch']}" in section
+    assert f"### {bench_common.cpu_family(facts)}" in section and f"torch {facts['torch']}" in section
+    assert f"Run 2026-01-02T03:04:05+00:00 (code at {bench_common.code_version()}) on {facts['cpu']}" in section
     assert "`python scripts/bench.py forward --repeats 3`" in section
     assert "| case | gpt2attn ms | ratio |" in section and "| T=512 | 6.25 | 1.20x |" in section
     assert "**load**" in page.split("## Not yet recorded")[1]  # a bench without a result file is named, without figures
     with pytest.raises(ValueError, match="same keys"):
         bench_common.write_results("load", [], [{"a": 1}, {"b": 2}], started, results_dir=tmp_path)
+
+
+def test_a_bench_keeps_the_latest_run_on_each_cpu_family(tmp_path, monkeypatch):
+    import datetime
+    import json
+
+    bench_common, render_benchmarks = scripts_module("bench_common"), scripts_module("render_benchmarks")
+    real = bench_common.machine_facts()
+    machines = {"zen3": dict(real, cpu="AMD EPYC 7B13", cpu_flags=["avx2"]),
+                "spr": dict(real, cpu="Intel Xeon 8481C", cpu_flags=["avx2", "avx512f", "amx_tile"])}
+
+    def run(machine: str, day: int, value: str) -> None:
+        monkeypatch.setattr(bench_common, "machine_facts", lambda: machines[machine])
+        started = datetime.datetime(2026, 1, day, tzinfo=datetime.timezone.utc)
+        bench_common.write_results("decode", [], [{"mode": "fp32", "tok/s": value}], started, results_dir=tmp_path)
+
+    run("zen3", 1, "10.5")
+    run("spr", 2, "20.5")
+    run("zen3", 3, "11.5")  # replaces the first Zen 3 run, keeps the Xeon's
+    runs = json.loads((tmp_path / "decode.json").read_text())["runs"]
+    assert [(r["family"], r["tables"][""][0]["tok/s"]) for r in runs] == [
+        ("AMD EPYC 7B13, AVX2", "11.5"), ("Intel Xeon 8481C, AMX", "20.5")]
+    section = render_benchmarks.render(tmp_path).split("## decode")[1].split("\n## ")[0]
+    assert section.index("### AMD EPYC 7B13, AVX2") < section.index("| fp32 | 11.5 |") < section.index(
+        "### Intel Xeon 8481C, AMX") < section.index("| fp32 | 20.5 |")
+    assert "10.5" not in section and "Run 2026-01-02T00:00:00+00:00" in section
 
 
 @pytest.mark.slow
