@@ -241,7 +241,8 @@ def kept_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
 
 # The keywords transformers' forward methods take through **kwargs (its TransformersKwargs) beyond
 # the named ones: those meaning nothing for GPT-2 are accepted and ignored, as transformers' GPT-2
-# ignores them; packed sequences (flash-attention's cumulative lengths) are refused, not ignored.
+# ignores them; flash-attention's cumulative lengths of packed sequences are refused, not ignored
+# (packed sequences are given by their position_ids instead: see packed_causal_mask).
 IGNORED_KWARGS = {"num_items_in_batch", "output_router_logits", "is_causal"}
 PACKED_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
@@ -250,7 +251,8 @@ def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
     """Refuse what forward's **kwargs cannot honour, naming the keyword."""
     for key in kwargs:
         if key in PACKED_KWARGS:
-            raise ValueError(f"{key}: packed sequences are not supported; pad the batch and pass attention_mask")
+            raise ValueError(f"{key}: flash-attention's packing keywords are not supported; give packed "
+                             f"sequences by their position_ids (restarting at 0), or pad the batch")
         if key not in IGNORED_KWARGS:
             raise TypeError(f"forward() got an unexpected keyword argument {key!r}")
 

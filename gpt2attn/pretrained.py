@@ -46,7 +46,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False  # no registry of attention kernels to choose from
+    _supports_attention_backend = False  # TGI/vLLM backend: no registry of attention functions, no TP plan
     _can_compile_fullgraph = True  # the forward traces as one graph (tests/test_export.py)
     _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
     _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device

@@ -30,10 +30,10 @@ CASES = [
     ("greedy several returns", dict(num_return_sequences=2), ValueError, "greedy decoding gives one sequence per prompt"),
     ("stream with beams", dict(num_beams=2, stream=True), ValueError, "not with beam search"),
     ("stop strings without tokenizer", dict(stop_strings=["\n"]), ValueError, "pass tokenizer=..."),
-    ("assisted with sampling", dict(prompt_lookup_num_tokens=3, do_sample=True), ValueError, "greedy only"),
+    ("assisted with beams", dict(prompt_lookup_num_tokens=3, num_beams=2), ValueError,
+     "assisted decoding (assistant_model / prompt_lookup_num_tokens) decodes greedily or samples one sequence"),
     ("assisted on a batch", dict(input_ids=PADDED, prompt_lookup_num_tokens=3), ValueError,
-     "assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds, token_type_ids or "
-     "past_key_values"),
+     "assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds or past_key_values"),
     ("mask values", dict(attention_mask=torch.tensor([[1, 2, 1]])), ValueError, "only 0 (padding) and 1 (token), got values [1, 2]"),
     ("mask shape", dict(attention_mask=torch.tensor([[1, 1]])), ValueError, "attention_mask has shape (1, 2), expected (1, 3)"),
     ("float ids", dict(input_ids=torch.tensor([[1.0, 2.0]])), ValueError, "input_ids must be an integer tensor"),

@@ -125,12 +125,12 @@ class Decoder:
             kwargs["attention_mask"] = self.mask[:, : self.length + k]
         if self.positions is not None:
             kwargs["position_ids"] = self._positions(k)
-        if self.token_type_ids is not None:
-            if self.token_type_ids.size(1) == k:
-                kwargs["token_type_ids"] = self.token_type_ids
-                self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
-            else:
-                kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
+        if self.token_type_ids is not None:  # the prompt's, then its last column carried forward, as transformers does
+            types = self.token_type_ids  # (N, T) before the prompt's forward, (N, 1) after it
+            if types.size(1) < k:
+                types = torch.cat((types, types[:, -1:].expand(-1, k - types.size(1))), dim=1)  # (N, k)
+            kwargs["token_type_ids"] = types
+            self.token_type_ids = types[:, -1:]
         kwargs.update(inputs_embeds=embeds, cache=self.cache, use_cache=True, return_dict=True,
                       output_attentions="attentions" in self.record, output_hidden_states="hidden_states" in self.record)
         if self.hooked:  # the model's own forward, so its hooks see each step as in transformers' generate
@@ -147,10 +147,13 @@ class Decoder:
     def _positions(self, k: int) -> Tensor:
         """Position ids (N, k) of the next k tokens: the prompt's from its mask, then counting on."""
         start, n_prompt = self.length, self.positions.size(1)
-        if start < n_prompt:
-            return self.positions[:, start : start + k]
-        offsets = torch.arange(start - n_prompt + 1, start - n_prompt + 1 + k, device=self.positions.device)
-        return self.positions[:, -1:] + offsets  # (N, k)
+        known = self.positions[:, start : start + k]  # the prompt's, as far as the k reach into it
+        extra = k - known.size(1)
+        if extra == 0:
+            return known
+        first = max(start, n_prompt) - n_prompt + 1  # how far past the prompt's last the first extra one is
+        offsets = torch.arange(first, first + extra, device=self.positions.device)
+        return torch.cat((known, self.positions[:, -1:] + offsets), dim=1)  # (N, k)
 
     def rollback(self, length: int) -> None:
         """Forget every cached token from `length` on (drafts the model rejected)."""
