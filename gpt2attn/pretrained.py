@@ -125,6 +125,17 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         model = cls(config)
         return model.to(as_torch_dtype(dtype)) if dtype not in (None, "auto") else model
 
+    def get_compiled_call(self, compile_config: Any = None) -> Any:
+        """torch.compile(self.__call__) with compile_config's options (transformers' CompileConfig,
+        or a dict; None: CompileConfig's defaults), kept for later calls while the options stay the
+        same, as transformers' method of this name. generate() runs its one-token steps through it
+        when it compiles them (cache_implementation="static"; see generation.generate.compiled_call)."""
+        options = compile_options(compile_config)
+        if self.__dict__.get("_compiled_call") is None or self.__dict__.get("_last_compile_options") != options:
+            self._last_compile_options = options
+            self._compiled_call = torch.compile(self.__call__, **options)
+        return self._compiled_call
+
     def post_init(self) -> None:
         """transformers' last step of a model's __init__. Each class's __init__ here has already
         initialised its weights, so this only ties the head to wte (when the config ties them):
@@ -345,6 +356,19 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
             for p in self.parameters()
             if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings)
         )
+
+
+def compile_options(compile_config: Any) -> dict[str, Any]:
+    """torch.compile's keywords from transformers' CompileConfig (its to_dict(), which leaves out
+    the private _compile_all_devices), a dict of them, or None: CompileConfig's defaults."""
+    if compile_config is None:
+        return {"fullgraph": False, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead", "options": None}
+    if isinstance(compile_config, dict):
+        return dict(compile_config)
+    if not callable(getattr(compile_config, "to_dict", None)):
+        raise TypeError(f"compile_config must be transformers' CompileConfig or a dict of torch.compile's "
+                        f"keywords, got {type(compile_config).__name__}")
+    return compile_config.to_dict()
 
 
 def checked_attn_implementation(name: str | None) -> str:

@@ -62,11 +62,14 @@ class GenerationConfig:
     remove_invalid_values: bool = False  # nan and ±inf logits made finite before a token is chosen
     use_cache: bool = True
     # how the cache is laid out: gpt2attn always preallocates the whole request's cache in place
-    # (transformers' "static"), so any value gives the same tokens
+    # (transformers' "static"), so any value gives the same tokens; "static" also lets generate
+    # compile the model's forward for the one-token steps, as transformers does (see compile_config)
     cache_implementation: str | None = None
     # not saved by transformers, accepted for convenience: seeds the sampling generator
     seed: int | None = field(default=None, metadata={"saved": False})
-    # transformers' compilation settings for generate: accepted, not used (call torch.compile yourself)
+    # transformers' CompileConfig (torch.compile's options): with cache_implementation="static", on an
+    # accelerator (on any device with its _compile_all_devices), generate runs the one-token steps
+    # through the compiled forward (generate.compiled_call)
     compile_config: Any = field(default=None, metadata={"saved": False})
 
     @classmethod

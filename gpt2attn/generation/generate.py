@@ -105,7 +105,7 @@ def generate(
                                           ("hidden_states", cfg.output_hidden_states))
               if wanted and cfg.return_dict_in_generate}
     dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past, inside,
-                  prompt.positions)
+                  prompt.positions, compiled_call(model, cfg, prompt.device))
     chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding, prompt.n_ids + prompt.n_new)
     stops = _stopping(cfg, tokenizer, stopping_criteria or [])
     record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
@@ -150,6 +150,21 @@ def generate(
         cache=dec.cache,
         **_per_step(inside, n_new),
     )
+
+
+COMPILED_DEVICES = ("cuda", "xpu", "neuron", "tpu")  # where transformers compiles without being told to
+
+
+def compiled_call(model, cfg: GenerationConfig, device: torch.device):
+    """The model's compiled call (GPT2PreTrainedModel.get_compiled_call) when generate compiles its
+    one-token steps, as transformers decides it: a "static" cache, a model whose forward compiles as
+    one graph, on an accelerator, or on any device when compile_config._compile_all_devices says so;
+    else None. The prompt is never compiled (its length changes from one request to the next)."""
+    if cfg.cache_implementation != "static" or not getattr(model, "_can_compile_fullgraph", False):
+        return None
+    if device.type not in COMPILED_DEVICES and not getattr(cfg.compile_config, "_compile_all_devices", False):
+        return None
+    return model.get_compiled_call(cfg.compile_config)
 
 
 def _per_step(inside: dict[str, list], n_new: int) -> dict[str, tuple]:
