@@ -7,7 +7,9 @@ padding the attention mask and the position ids (as transformers derives them) g
 The Decoder is the one place that picks how a request decodes, once, when it is made: one new
 token per row in one call of gpt2attn.decode_step.DecodeStep when `unfused_reason` finds nothing
 in the way (a plain fp32 model in eval as it is, or one `quantize()` made), else the model's
-modules. Prompts and drafts of several tokens always run through the modules.
+modules, or the model's compiled forward when generate compiles the steps (then on a cache the
+model keeps between requests: `kept_cache`). Prompts and drafts of several tokens always run
+through the modules.
 """
 
 from __future__ import annotations
@@ -119,9 +121,8 @@ class Decoder:
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
         self.record = record or {}
         self.hooked = bool(model._forward_hooks or model._forward_pre_hooks)  # hooks on the model itself
-        self.unfused = unfused_reason(model, rows, token_type_ids, bool(self.record))  # None: one call per new token
-        if compiled is not None:
-            self.unfused = "the model's forward is compiled for the steps (compile_config)"
+        self.unfused = ("the model's compiled call runs the steps" if compiled is not None
+                        else unfused_reason(model, rows, token_type_ids, bool(self.record)))  # None: one call per new token
         self.step = DecodeStep(model) if self.unfused is None else None
         self.mask = self.positions = None
         if mask is not None and not bool(mask.all()):
