@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config, as_torch_dtype, check_config, is_int
-from .generation.config import GenerationConfig
+from .generation.config import GenerationConfig, compile_options
 from .generation.mixin import GenerationMixin
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
@@ -356,19 +356,6 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
             for p in self.parameters()
             if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings)
         )
-
-
-def compile_options(compile_config: Any) -> dict[str, Any]:
-    """torch.compile's keywords from transformers' CompileConfig (its to_dict(), which leaves out
-    the private _compile_all_devices), a dict of them, or None: CompileConfig's defaults."""
-    if compile_config is None:
-        return {"fullgraph": False, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead", "options": None}
-    if isinstance(compile_config, dict):
-        return dict(compile_config)
-    if not callable(getattr(compile_config, "to_dict", None)):
-        raise TypeError(f"compile_config must be transformers' CompileConfig or a dict of torch.compile's "
-                        f"keywords, got {type(compile_config).__name__}")
-    return compile_config.to_dict()
 
 
 def checked_attn_implementation(name: str | None) -> str:

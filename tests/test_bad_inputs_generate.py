@@ -30,6 +30,7 @@ CASES = [
     ("greedy several returns", dict(num_return_sequences=2), ValueError, "greedy decoding gives one sequence per prompt"),
     ("stream with beams", dict(num_beams=2, stream=True), ValueError, "not with beam search"),
     ("stop strings without tokenizer", dict(stop_strings=["\n"]), ValueError, "pass tokenizer=..."),
+    ("compile_config", dict(compile_config=5), ValueError, "compile_config must be transformers' CompileConfig or a dict"),
     ("assisted with beams", dict(prompt_lookup_num_tokens=3, num_beams=2), ValueError,
      "assisted decoding (assistant_model / prompt_lookup_num_tokens) decodes greedily or samples one sequence"),
     ("assisted on a batch", dict(input_ids=PADDED, prompt_lookup_num_tokens=3), ValueError,

@@ -147,6 +147,7 @@ class GenerationConfig:
                                            for t in ([forced] if not isinstance(forced, (list, tuple)) else forced or [-1])):
             raise ValueError(f"forced_eos_token_id must be a token id in [0, {vocab_size}) or a list of them, got {forced!r}")
         _int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1)
+        compile_options(self.compile_config)
         if self.max_new_tokens is not None:
             _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         if self.max_length is not None:
@@ -227,6 +228,19 @@ def _real(value: Any) -> bool:
 def _int_at_least(name: str, value: Any, low: int) -> None:
     if not _int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def compile_options(compile_config: Any) -> dict[str, Any]:
+    """torch.compile's keywords from transformers' CompileConfig (its to_dict(), which leaves out
+    the private _compile_all_devices), a dict of them, or None: CompileConfig's defaults."""
+    if compile_config is None:
+        return {"fullgraph": False, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead", "options": None}
+    if isinstance(compile_config, dict):
+        return dict(compile_config)
+    if not callable(getattr(compile_config, "to_dict", None)):
+        raise ValueError(f"compile_config must be transformers' CompileConfig or a dict of torch.compile's "
+                         f"keywords, got {type(compile_config).__name__}")
+    return compile_config.to_dict()
 
 
 # transformers' GenerationConfig fields that choose how generate runs (compilation, the cache's layout,
