@@ -27,6 +27,23 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None
     return k_pos <= q_pos
 
 
+def packed_causal_mask(position_ids: Tensor) -> Tensor | None:
+    """(B, 1, T, T) bool for several sequences packed into each row, told apart by their position ids
+    restarting: query i sees key j when j <= i and no restart lies between them. None when no row
+    holds more than one sequence (the plain causal mask then).
+
+    A new sequence starts wherever a position is not its predecessor + 1, as transformers'
+    mask creation finds packed sequences: [[0, 1, 2, 0, 1, 5]] packs three, of 3, 2 and 1 tokens.
+    """
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    sequence = (step != 1).cumsum(-1)  # (B, T): which packed sequence each token belongs to
+    if not torch.compiler.is_compiling() and not sequence[:, -1].any():
+        return None
+    T = position_ids.size(1)
+    same = sequence[:, :, None] == sequence[:, None, :]  # (B, T, T)
+    return (same & causal_mask(T, T, position_ids.device))[:, None]  # (B, 1, T, T)
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,

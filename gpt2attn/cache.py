@@ -154,6 +154,12 @@ class KVCache:
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
 
+    def reset(self) -> None:
+        """Empty the cache for a new request; its buffers stay, to be written over."""
+        self.length = 0
+        self.cross_keys = [None] * len(self)
+        self.cross_values = [None] * len(self)
+
     def get_seq_length(self) -> int:
         return self.length
 

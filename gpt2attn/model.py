@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from .attention import causal_mask
+from .attention import causal_mask, packed_causal_mask
 from .cache import KVCache, as_cache, takes_past_key_values, write_back
 from .config import GPT2Config, is_int
 from .generation import GenerationMixin
@@ -84,6 +84,7 @@ class GPT2Model(GPT2PreTrainedModel):
             raise ValueError(f"past_key_values hold batch size {cache.batch_size}, input has batch size {B}")
 
         # Embeddings: tokens + positions (+ token types, which share wte as in HF).
+        packed = None
         if position_ids is None:
             if past_len + T > cfg.n_positions:
                 raise ValueError(
@@ -93,6 +94,10 @@ class GPT2Model(GPT2PreTrainedModel):
             position_ids = torch.arange(past_len, past_len + T, device=device).unsqueeze(0)  # (1, T)
         else:
             position_ids = _check_ids("position_ids", position_ids, B, T, cfg.n_positions, device)
+            if attention_mask is None and cache is None:
+                # Several sequences packed into a row (position ids restarting) attend each within its
+                # own, as transformers' mask creation does without a padding mask or a cache.
+                packed = packed_causal_mask(position_ids.expand(B, T))  # (B, 1, T, T) or None
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
         x = inputs_embeds + self.wpe(position_ids)
@@ -100,7 +105,7 @@ class GPT2Model(GPT2PreTrainedModel):
             x = x + self.wte(_check_ids("token_type_ids", token_type_ids, B, T, cfg.vocab_size, device))
         x = self.drop(x)
 
-        mask = _build_mask(attention_mask, B, T, past_len, cfg.n_head)
+        mask = packed if packed is not None else _build_mask(attention_mask, B, T, past_len, cfg.n_head)
         head_mask = _layer_head_masks(head_mask, cfg.n_layer, cfg.n_head, x.dtype)
         encoder_mask = encoder_attention(cfg, encoder_hidden_states, encoder_attention_mask, B)
 
@@ -236,7 +241,8 @@ def kept_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
 
 # The keywords transformers' forward methods take through **kwargs (its TransformersKwargs) beyond
 # the named ones: those meaning nothing for GPT-2 are accepted and ignored, as transformers' GPT-2
-# ignores them; packed sequences (flash-attention's cumulative lengths) are refused, not ignored.
+# ignores them; flash-attention's cumulative lengths of packed sequences are refused, not ignored
+# (packed sequences are given by their position_ids instead: see packed_causal_mask).
 IGNORED_KWARGS = {"num_items_in_batch", "output_router_logits", "is_causal"}
 PACKED_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
@@ -245,7 +251,8 @@ def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
     """Refuse what forward's **kwargs cannot honour, naming the keyword."""
     for key in kwargs:
         if key in PACKED_KWARGS:
-            raise ValueError(f"{key}: packed sequences are not supported; pad the batch and pass attention_mask")
+            raise ValueError(f"{key}: flash-attention's packing keywords are not supported; give packed "
+                             f"sequences by their position_ids (restarting at 0), or pad the batch")
         if key not in IGNORED_KWARGS:
             raise TypeError(f"forward() got an unexpected keyword argument {key!r}")
 

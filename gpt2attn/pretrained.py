@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import GPT2Config, as_torch_dtype, check_config, is_int
-from .generation.config import GenerationConfig
+from .generation.config import GenerationConfig, compile_options
 from .generation.mixin import GenerationMixin
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
@@ -46,7 +46,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False  # no registry of attention kernels to choose from
+    _supports_attention_backend = False  # TGI/vLLM backend: no registry of attention functions, no TP plan
     _can_compile_fullgraph = True  # the forward traces as one graph (tests/test_export.py)
     _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
     _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device
@@ -124,6 +124,17 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         dtype = dtype if dtype is not None else torch_dtype
         model = cls(config)
         return model.to(as_torch_dtype(dtype)) if dtype not in (None, "auto") else model
+
+    def get_compiled_call(self, compile_config: Any = None) -> Any:
+        """torch.compile(self.__call__) with compile_config's options (transformers' CompileConfig,
+        or a dict; None: CompileConfig's defaults), kept for later calls while the options stay the
+        same, as transformers' method of this name. generate() runs its one-token steps through it
+        when it compiles them (cache_implementation="static"; see generation.generate.compiled_call)."""
+        options = compile_options(compile_config)
+        if self.__dict__.get("_compiled_call") is None or self.__dict__.get("_last_compile_options") != options:
+            self._last_compile_options = options
+            self._compiled_call = torch.compile(self.__call__, **options)
+        return self._compiled_call
 
     def post_init(self) -> None:
         """transformers' last step of a model's __init__. Each class's __init__ here has already

@@ -416,3 +416,30 @@ def test_hooks_on_the_model_itself_see_every_step_of_generate_as_in_transformers
     theirs = twin.generate(prompt, max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     assert torch.equal(ours, theirs) and ours[0, 4:].tolist() == [9] * 5
     assert seen["ours"] == seen["theirs"] == [(1, 4)] + [(1, 1)] * 4
+
+
+@pytest.mark.slow  # torch.compile builds two graphs (about half a minute on 2 cores)
+def test_a_static_cache_with_compile_config_compiles_the_steps_once_for_later_requests():
+    """cache_implementation="static" with transformers' CompileConfig (told to compile on the CPU too):
+    generate runs each one-token step through the model's compiled forward, kept on the model
+    (model._compiled_call, as in transformers), with greedy's tokens; a later, shorter request runs on
+    the same cache and graph, without compiling again. Without _compile_all_devices the CPU runs
+    as always, uncompiled."""
+    transformers = pytest.importorskip("transformers")
+    model = randomize(GPT2LMHeadModel(tiny_config(n_positions=64)), seed=1).eval()
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(prompt, max_new_tokens=6, eos_token_id=None)
+    model.generate(prompt, max_new_tokens=6, eos_token_id=None, cache_implementation="static",
+                   compile_config=transformers.CompileConfig())
+    assert "_compiled_call" not in model.__dict__  # a CPU compiles only when told to
+
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True
+    kw = dict(eos_token_id=None, cache_implementation="static", compile_config=compile_config)
+    torch.compiler.reset()
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, **kw), expected)
+    compiled, steps = model._compiled_call, []
+    model._compiled_call = lambda *args, **kwargs: steps.append(1) or compiled(*args, **kwargs)
+    with torch.compiler.set_stance("fail_on_recompile"):  # the same cache and graph: nothing to compile
+        assert torch.equal(model.generate(prompt, max_new_tokens=4, **kw), expected[:, : 7 + 4])
+    assert len(steps) == 3  # the prompt's pass chose the first token, each compiled step one more

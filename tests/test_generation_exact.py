@@ -208,6 +208,98 @@ def test_assisted_decoding_and_prompt_lookup_with_processors_equal_greedy(models
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=4, **kw), greedy)
 
 
+@pytest.mark.parametrize("drafts", ["itself", "assistant", "prompt lookup"])
+def test_assisted_decoding_returns_the_dict_outputs_with_token_types_and_padding(models, drafts):
+    """With return_dict_in_generate, assisted decoding returns what greedy decoding returns: the
+    sequences, scores and raw logits token for token as transformers' assisted generate (a
+    left-padded prompt with token types), and one entry of attentions / hidden states per token,
+    each that of the forward position that chose it, equal to greedy decoding's."""
+    model, _ = models
+    prompt = torch.tensor([[0, 0, 5, 6, 7, 5, 6, 7, 5]])
+    mask = (prompt != 0).long()
+    types = torch.tensor([[0, 0, 1, 1, 2, 2, 1, 1, 2]])
+    kw = dict(attention_mask=mask, token_type_ids=types, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+              repetition_penalty=1.2, return_dict_in_generate=True, output_scores=True, output_logits=True,
+              output_attentions=True, output_hidden_states=True)
+    eager = hf_twin(model, "eager").eval()  # transformers' sdpa returns no attention weights
+    if drafts == "prompt lookup":
+        ours_kw = theirs_kw = dict(prompt_lookup_num_tokens=2)
+    else:  # the model itself drafts what it will accept: several tokens a forward
+        assistant = model if drafts == "itself" else randomize(GPT2LMHeadModel(tiny_config(n_positions=64, n_layer=1)), seed=5).eval()
+        hf_assistant = eager if drafts == "itself" else hf_twin(assistant, "eager").eval()
+        hf_assistant.generation_config.num_assistant_tokens = 3
+        hf_assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        ours_kw, theirs_kw = dict(assistant_model=assistant, num_assistant_tokens=3), dict(assistant_model=hf_assistant)
+    theirs = eager.generate(prompt, **kw, **theirs_kw)
+    ours = model.generate(prompt, **kw, **ours_kw)
+    greedy = model.generate(prompt, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences) and torch.equal(ours.sequences, greedy.sequences)
+    _close(ours.scores, theirs.scores)
+    _close(ours.logits, theirs.logits)
+    for key in ("attentions", "hidden_states"):
+        steps, greedy_steps = getattr(ours, key), getattr(greedy, key)
+        assert len(steps) == len(greedy_steps) == 10
+        for step, greedy_step in zip(steps, greedy_steps):
+            assert [t.shape for t in step] == [t.shape for t in greedy_step]
+            _close(step, greedy_step)  # a verify forward of several positions adds in another order
+    assert ours.past_key_values.get_seq_length() == ours.sequences.size(1) - 1  # the last token is not cached yet
+
+
+def test_assisted_sampling_accepts_drafts_by_transformers_rule():
+    """Speculative sampling: each draft is kept with probability min(1, p / q) until one is
+    rejected, then the next token comes from max(0, p - q) renormalised (from p after them all):
+    on the same random stream, the tokens kept equal transformers' _speculative_sampling."""
+    from transformers.generation.utils import _speculative_sampling
+
+    from gpt2attn.generation.assisted import accepted
+
+    g = torch.Generator().manual_seed(0)
+    kept_counts = set()
+    for seed in range(100):
+        d, V = 3, 11
+        q_logits = torch.randn(1, d, V, generator=g)
+        p_logits = torch.cat((q_logits, torch.randn(1, 1, V, generator=g)), dim=1) + torch.randn(1, d + 1, V, generator=g)
+        guesses = torch.multinomial(q_logits[0].softmax(-1), 1, generator=g).squeeze(1)  # (d,) drawn from q
+        ids = torch.cat((torch.tensor([4, 2]), guesses))[None]  # the prompt, then the drafts
+        torch.manual_seed(seed)
+        theirs, n = _speculative_sampling(ids, q_logits, d, p_logits)
+        torch.manual_seed(seed)
+        ours = accepted(guesses, q_logits[0], p_logits[0], do_sample=True, generator=None)
+        assert torch.equal(ours, theirs[0]), seed
+        kept_counts.add(int(n))
+    assert kept_counts == {0, 1, 2, 3}  # every outcome, from all drafts rejected to all kept, was met
+
+
+def test_assisted_sampling_keeps_the_models_distribution():
+    """The first token after a draft, over many draws, follows the model's own p whatever the
+    assistant's q: what sampling without an assistant gives."""
+    from gpt2attn.generation.assisted import accepted
+
+    g = torch.Generator().manual_seed(1)
+    p_logits, q_logits = torch.randn(2, 6, generator=g), torch.randn(1, 6, generator=g)
+    draws = 4000
+    counts = torch.zeros(6)
+    for _ in range(draws):
+        guess = torch.multinomial(q_logits.softmax(-1), 1, generator=g)[0]  # (1,) a draft from q
+        counts[accepted(guess, q_logits, p_logits, do_sample=True, generator=g)[0]] += 1
+    assert (counts / draws - p_logits[0].softmax(-1)).abs().max() < 0.03  # 4 standard errors at most
+
+
+def test_assisted_sampling_with_top_k_1_equals_greedy(models):
+    """Sampling from one token a step (top_k=1) is greedy decoding: through the assistant's drafts
+    (its q one-hot too) and through prompt lookup's, the tokens equal greedy's; seeded runs of a
+    wider top-k repeat themselves."""
+    model, _ = models
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    kw = dict(max_new_tokens=20, eos_token_id=None)
+    greedy = model.generate(prompt, **kw)
+    small = randomize(GPT2LMHeadModel(tiny_config(n_positions=64, n_layer=1)), seed=5).eval()
+    for drafts in (dict(assistant_model=small), dict(assistant_model=model), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(model.generate(prompt, do_sample=True, top_k=1, **drafts, **kw), greedy)
+        first = model.generate(prompt, do_sample=True, top_k=20, seed=3, **drafts, **kw)
+        assert torch.equal(model.generate(prompt, do_sample=True, top_k=20, seed=3, **drafts, **kw), first)
+
+
 @pytest.mark.parametrize("kw", [dict(num_beams=2), dict(num_beams=2, num_return_sequences=2),
                                 dict(do_sample=True, num_return_sequences=2, top_k=5)],
                          ids=["2 beams", "2 beams 2 sequences", "2 samples"])

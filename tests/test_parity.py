@@ -255,6 +255,33 @@ def test_padded_rows_follow_transformers_on_each_backend():
     assert max_diff(ours(x, attention_mask=mask).logits[0, :3], hf_twin(ours, "sdpa")(x, attention_mask=mask).logits[0, :3]) > 0.1
 
 
+def test_packed_sequences_follow_transformers_on_each_backend():
+    """Several sequences packed into a row, told apart by position ids restarting at 0: without a
+    padding mask or a cache, transformers' mask keeps each sequence to itself (a block-diagonal causal
+    mask), so each packed sequence equals it run alone; with a cache (use_cache left at the config's
+    True) or a padding mask, tokens attend across sequences, as in transformers."""
+    ours, _ = make_pair(attn_pdrop=0.0)
+    x = ids(2, 9)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2]])  # 3 and 2 sequences
+    for backend in ("sdpa", "eager"):
+        ours.set_attn_implementation(backend)
+        hf = hf_twin(ours, backend)
+        for position_ids in (packed, packed[:1]):  # (B, T), and (1, T) shared by both rows
+            a = ours(x, position_ids=position_ids, use_cache=False).logits
+            assert max_diff(a, hf(x, position_ids=position_ids, use_cache=False).logits) <= ATOL
+            for row in range(2):
+                restarts = (position_ids[row % position_ids.size(0)] == 0).nonzero().flatten().tolist() + [9]
+                for start, end in zip(restarts, restarts[1:]):  # each packed sequence as if run alone
+                    assert max_diff(a[row, start:end], ours(x[row : row + 1, start:end]).logits[0]) <= ATOL
+        across = ours(x, position_ids=packed).logits  # a cache is built: no packing, as in transformers
+        assert max_diff(across, hf(x, position_ids=packed).logits) <= ATOL
+        assert max_diff(across[0, 4:7], ours(x[0:1, 4:7]).logits[0]) > 0.1
+        ones = torch.ones(2, 9, dtype=torch.long)
+        kept = ours(x, position_ids=packed, attention_mask=ones, use_cache=False).logits
+        assert max_diff(kept, hf(x, position_ids=packed, attention_mask=ones, use_cache=False).logits) <= ATOL
+        assert max_diff(kept, across) <= ATOL
+
+
 def test_state_dicts_load_both_ways_strictly():
     for overrides in ({}, {"tie_word_embeddings": False}):
         ours, hf = make_pair(**overrides)

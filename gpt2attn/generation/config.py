@@ -62,11 +62,14 @@ class GenerationConfig:
     remove_invalid_values: bool = False  # nan and ±inf logits made finite before a token is chosen
     use_cache: bool = True
     # how the cache is laid out: gpt2attn always preallocates the whole request's cache in place
-    # (transformers' "static"), so any value gives the same tokens
+    # (transformers' "static"), so any value gives the same tokens; "static" also lets generate
+    # compile the model's forward for the one-token steps, as transformers does (see compile_config)
     cache_implementation: str | None = None
     # not saved by transformers, accepted for convenience: seeds the sampling generator
     seed: int | None = field(default=None, metadata={"saved": False})
-    # transformers' compilation settings for generate: accepted, not used (call torch.compile yourself)
+    # transformers' CompileConfig (torch.compile's options): with cache_implementation="static", on an
+    # accelerator (on any device with its _compile_all_devices), generate runs the one-token steps
+    # through the compiled forward (generate.compiled_call)
     compile_config: Any = field(default=None, metadata={"saved": False})
 
     @classmethod
@@ -144,6 +147,7 @@ class GenerationConfig:
                                            for t in ([forced] if not isinstance(forced, (list, tuple)) else forced or [-1])):
             raise ValueError(f"forced_eos_token_id must be a token id in [0, {vocab_size}) or a list of them, got {forced!r}")
         _int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1)
+        compile_options(self.compile_config)
         if self.max_new_tokens is not None:
             _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         if self.max_length is not None:
@@ -224,6 +228,19 @@ def _real(value: Any) -> bool:
 def _int_at_least(name: str, value: Any, low: int) -> None:
     if not _int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def compile_options(compile_config: Any) -> dict[str, Any]:
+    """torch.compile's keywords from transformers' CompileConfig (its to_dict(), which leaves out
+    the private _compile_all_devices), a dict of them, or None: CompileConfig's defaults."""
+    if compile_config is None:
+        return {"fullgraph": False, "dynamic": None, "backend": "inductor", "mode": "reduce-overhead", "options": None}
+    if isinstance(compile_config, dict):
+        return dict(compile_config)
+    if not callable(getattr(compile_config, "to_dict", None)):
+        raise ValueError(f"compile_config must be transformers' CompileConfig or a dict of torch.compile's "
+                         f"keywords, got {type(compile_config).__name__}")
+    return compile_config.to_dict()
 
 
 # transformers' GenerationConfig fields that choose how generate runs (compilation, the cache's layout,

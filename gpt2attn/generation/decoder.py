@@ -7,7 +7,9 @@ padding the attention mask and the position ids (as transformers derives them) g
 The Decoder is the one place that picks how a request decodes, once, when it is made: one new
 token per row in one call of gpt2attn.decode_step.DecodeStep when `unfused_reason` finds nothing
 in the way (a plain fp32 model in eval as it is, or one `quantize()` made), else the model's
-modules. Prompts and drafts of several tokens always run through the modules.
+modules, or the model's compiled forward when generate compiles the steps (then on a cache the
+model keeps between requests: `kept_cache`). Prompts and drafts of several tokens always run
+through the modules.
 """
 
 from __future__ import annotations
@@ -78,16 +80,38 @@ def unfused_reason(model: nn.Module, rows: int = 1, token_type_ids: Tensor | Non
     return None
 
 
+def kept_cache(model, rows: int, capacity: int, device: torch.device) -> KVCache:
+    """The cache a compiled decoding step writes: the one the model kept from an earlier request,
+    emptied, when it has the rows and the room, so that the step's shapes, and so its compiled
+    graph, stay as they were (transformers reuses its static cache the same way); else a new one,
+    kept for the next request."""
+    cfg = model.config
+    cache = model.__dict__.get("_static_cache")
+    if (cache is None or cache.batch_size != rows or cache.keys[0].size(2) < capacity
+            or cache.keys[0].dtype != model.dtype or cache.keys[0].device != device):
+        cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head, model.dtype, device)
+        model.__dict__["_static_cache"] = cache
+    cache.reset()
+    return cache
+
+
 class Decoder:
     def __init__(self, model, rows: int, capacity: int, device, mask: Tensor | None = None,
                  token_type_ids: Tensor | None = None, past: KVCache | None = None, record: dict | None = None,
-                 positions: Tensor | None = None):
+                 positions: Tensor | None = None, compiled=None):
         """record: {"attentions": [], "hidden_states": []} (either key) to collect, per forward,
         the per-layer attention weights / hidden states generate() returns. positions (N, T): the
-        prompt's position ids, when the caller gives them (later tokens count on from the last)."""
+        prompt's position ids, when the caller gives them (later tokens count on from the last).
+        compiled: the model's compiled call (GPT2PreTrainedModel.get_compiled_call), which then runs
+        every one-token step, on the cache the model keeps between requests (kept_cache)."""
         cfg = model.config
         self.model = model
-        self.cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head, model.dtype, device)
+        self.compiled = compiled
+        if compiled is not None:
+            self.cache = kept_cache(model, rows, capacity, torch.device(device))
+        else:
+            self.cache = KVCache.preallocate(cfg.n_layer, rows, cfg.n_head, capacity, cfg.n_embd // cfg.n_head,
+                                             model.dtype, device)
         if past is not None:
             self.cache.load(past)
         self.token_type_ids = token_type_ids  # (N, T) for the uncached prompt; new tokens repeat its last column
@@ -97,7 +121,8 @@ class Decoder:
         self.shared = torch.zeros(rows, rows, dtype=torch.long)
         self.record = record or {}
         self.hooked = bool(model._forward_hooks or model._forward_pre_hooks)  # hooks on the model itself
-        self.unfused = unfused_reason(model, rows, token_type_ids, bool(self.record))  # None: one call per new token
+        self.unfused = ("the model's compiled call runs the steps" if compiled is not None
+                        else unfused_reason(model, rows, token_type_ids, bool(self.record)))  # None: one call per new token
         self.step = DecodeStep(model) if self.unfused is None else None
         self.mask = self.positions = None
         if mask is not None and not bool(mask.all()):
@@ -125,16 +150,17 @@ class Decoder:
             kwargs["attention_mask"] = self.mask[:, : self.length + k]
         if self.positions is not None:
             kwargs["position_ids"] = self._positions(k)
-        if self.token_type_ids is not None:
-            if self.token_type_ids.size(1) == k:
-                kwargs["token_type_ids"] = self.token_type_ids
-                self.token_type_ids = self.token_type_ids[:, -1:]  # carried forward, as transformers does
-            else:
-                kwargs["token_type_ids"] = self.token_type_ids.expand(-1, k)
+        if self.token_type_ids is not None:  # the prompt's, then its last column carried forward, as transformers does
+            types = self.token_type_ids  # (N, T) before the prompt's forward, (N, 1) after it
+            if types.size(1) < k:
+                types = torch.cat((types, types[:, -1:].expand(-1, k - types.size(1))), dim=1)  # (N, k)
+            kwargs["token_type_ids"] = types
+            self.token_type_ids = types[:, -1:]
         kwargs.update(inputs_embeds=embeds, cache=self.cache, use_cache=True, return_dict=True,
                       output_attentions="attentions" in self.record, output_hidden_states="hidden_states" in self.record)
-        if self.hooked:  # the model's own forward, so its hooks see each step as in transformers' generate
-            out = self.model(input_ids=ids, **kwargs)  # by keyword, as transformers calls it
+        compiled = self.compiled is not None and k == 1 and ids is not None  # the prompt and drafts run as they are
+        if self.hooked or compiled:  # the model's own forward (so its hooks see each step), or its compiled call
+            out = (self.compiled if compiled else self.model)(input_ids=ids, **kwargs)  # by keyword, as transformers calls it
             logits = out.logits  # (N, k, V)
         else:  # the last position's logits alone
             out = self.model.transformer(ids, **kwargs)
@@ -147,10 +173,13 @@ class Decoder:
     def _positions(self, k: int) -> Tensor:
         """Position ids (N, k) of the next k tokens: the prompt's from its mask, then counting on."""
         start, n_prompt = self.length, self.positions.size(1)
-        if start < n_prompt:
-            return self.positions[:, start : start + k]
-        offsets = torch.arange(start - n_prompt + 1, start - n_prompt + 1 + k, device=self.positions.device)
-        return self.positions[:, -1:] + offsets  # (N, k)
+        known = self.positions[:, start : start + k]  # the prompt's, as far as the k reach into it
+        extra = k - known.size(1)
+        if extra == 0:
+            return known
+        first = max(start, n_prompt) - n_prompt + 1  # how far past the prompt's last the first extra one is
+        offsets = torch.arange(first, first + extra, device=self.positions.device)
+        return torch.cat((known, self.positions[:, -1:] + offsets), dim=1)  # (N, k)
 
     def rollback(self, length: int) -> None:
         """Forget every cached token from `length` on (drafts the model rejected)."""

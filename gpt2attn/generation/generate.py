@@ -105,7 +105,7 @@ def generate(
                                           ("hidden_states", cfg.output_hidden_states))
               if wanted and cfg.return_dict_in_generate}
     dec = Decoder(model, N, prompt.capacity, prompt.device, prompt.mask, prompt.token_type_ids, prompt.past, inside,
-                  prompt.positions)
+                  prompt.positions, compiled_call(model, cfg, prompt.device))
     chain = build_processors(cfg, prompt.n_ids, mcfg.vocab_size, prompt.padding, prompt.n_ids + prompt.n_new)
     stops = _stopping(cfg, tokenizer, stopping_criteria or [])
     record = {"scores": [], "logits": []} if cfg.return_dict_in_generate else None
@@ -128,10 +128,13 @@ def generate(
     if assisted:
         from .assisted import assisted_search, draft_from_assistant, draft_from_prompt
 
-        draft = (draft_from_assistant(assistant_model, out, prompt.capacity) if assistant_model is not None
-                 else draft_from_prompt(cfg.prompt_lookup_num_tokens, cfg.max_matching_ngram_size or 2))
+        if assistant_model is not None:
+            draft = draft_from_assistant(assistant_model, out, prompt.capacity, chain, cfg.do_sample, generator,
+                                         prompt.mask, prompt.token_type_ids)
+        else:
+            draft = draft_from_prompt(cfg.prompt_lookup_num_tokens, cfg.max_matching_ngram_size or 2)
         steps = assisted_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, draft, cfg.num_assistant_tokens
-                                if assistant_model is not None else cfg.prompt_lookup_num_tokens)
+                                if assistant_model is not None else cfg.prompt_lookup_num_tokens, generator, record)
     else:
         steps = sample_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, fill, generator, record)
     if stream:
@@ -147,6 +150,21 @@ def generate(
         cache=dec.cache,
         **_per_step(inside, n_new),
     )
+
+
+COMPILED_DEVICES = ("cuda", "xpu", "neuron", "tpu")  # where transformers compiles without being told to
+
+
+def compiled_call(model, cfg: GenerationConfig, device: torch.device):
+    """The model's compiled call (GPT2PreTrainedModel.get_compiled_call) when generate compiles its
+    one-token steps, as transformers decides it: a "static" cache, a model whose forward compiles as
+    one graph, on an accelerator, or on any device when compile_config._compile_all_devices says so;
+    else None. The prompt is never compiled (its length changes from one request to the next)."""
+    if cfg.cache_implementation != "static" or not getattr(model, "_can_compile_fullgraph", False):
+        return None
+    if device.type not in COMPILED_DEVICES and not getattr(cfg.compile_config, "_compile_all_devices", False):
+        return None
+    return model.get_compiled_call(cfg.compile_config)
 
 
 def _per_step(inside: dict[str, list], n_new: int) -> dict[str, tuple]:
@@ -337,16 +355,12 @@ def _ends_with_stop(tokenizer, ids: list[int], stop_strings: list[str]) -> bool:
 def _check_assisted(cfg: GenerationConfig, prompt: _Prompt, assistant, model, stream: bool) -> None:
     if assistant is not None and cfg.prompt_lookup_num_tokens is not None:
         raise ValueError("pass assistant_model or prompt_lookup_num_tokens, not both")
-    if cfg.do_sample or cfg.num_beams > 1 or cfg.num_return_sequences > 1:
-        raise ValueError("assisted decoding (assistant_model / prompt_lookup_num_tokens) is greedy only: "
-                         "do_sample=False, num_beams=1")
-    if prompt.batch != 1 or prompt.embeds is not None or prompt.past is not None or prompt.token_type_ids is not None:
-        raise ValueError("assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds, "
-                         "token_type_ids or past_key_values")
-    if prompt.mask is not None and not bool(prompt.mask.all()):
-        raise ValueError("assisted decoding takes one unpadded prompt")
+    if cfg.num_beams > 1 or cfg.num_return_sequences > 1:
+        raise ValueError("assisted decoding (assistant_model / prompt_lookup_num_tokens) decodes greedily or "
+                         "samples one sequence: num_beams=1, num_return_sequences=1")
+    if prompt.batch != 1 or prompt.embeds is not None or prompt.past is not None:
+        raise ValueError("assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds "
+                         "or past_key_values")
     if assistant is not None and assistant.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"assistant_model has vocab_size {assistant.config.vocab_size}, the model "
                          f"{model.config.vocab_size}: they must share the vocabulary")
-    if cfg.return_dict_in_generate:
-        raise ValueError("assisted decoding returns the sequences only (return_dict_in_generate=False)")
