@@ -30,8 +30,8 @@ SUPER = 256  # weights per super-block
 SUB = 32  # weights per sub-block (one scale and one min)
 BYTES = 144  # bytes per super-block
 LEVELS = 15  # q in 0..LEVELS
-CANDIDATES = torch.linspace(-2.0, 2.0, 17)  # the scale search: (LEVELS + c) / (max - min) levels per unit
-REFITS = 3  # alternating requantize / least-squares rounds after the search
+CANDIDATES = torch.linspace(-2.0, 2.0, 9)  # the scale search: (LEVELS + c) / (max - min) levels per unit
+REFITS = 2  # alternating requantize / least-squares rounds after the search
 ROWS_PER_CHUNK = 1024  # rows quantized at a time (bounds the search's memory)
 
 

@@ -48,9 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels as cpu_kernels
+from . import q4_k
 from .layers import Conv1D
 
-MODES = ("fp32", "fp16", "bf16", "int8")
+MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kernels
 
@@ -220,6 +221,49 @@ class Int8Linear(PackedLinear):
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
+class Q4Linear(PackedLinear):
+    """y = x Wᵀ + b with W (out, in) held as llama.cpp's Q4_K super-blocks (gpt2attn.q4_k): 4.5 bits
+    a weight, a 6-bit scale and min per 32. in_features must be a multiple of 256."""
+
+    prefill_kernel = "torch (MKL) fp32 on the dequantized weight"
+    decode_kernel = "gpt2attn q4_K rows (input in blocks of 32)"
+    decode_reference = "the q4_K rows' reference, input in blocks of 32"
+
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
+        rows = weight.t() if self.conv else weight  # (out, in)
+        self.blocks = q4_k.quantize_rows(rows.contiguous())  # (out, in/256 * 144) uint8
+        self.bias = bias
+
+    def dequantized_weight(self) -> Tensor:
+        """The fp32 weight (out, in) this layer computes with."""
+        return q4_k.dequantize_rows(self.blocks, self.in_features)
+
+    def hf_weight(self) -> Tensor:
+        w = self.dequantized_weight()
+        return w.t() if self.conv else w
+
+    def decode(self, x: Tensor) -> Tensor:
+        return cpu_kernels.rows_q4k(x, self.blocks, self.bias)
+
+    def prefill(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+
+def q4_keeps_int8(name: str, in_features: int, n_layer: int) -> bool:
+    """Whether mode 'q4' keeps this matrix in int8 rather than Q4_K: the head, a row length Q4_K
+    cannot hold (not a multiple of 256: gpt2-xl's 1600), and the matrices llama.cpp's q4_K_M gives
+    more bits (its 5- and 6-bit types): attn.c_attn everywhere, and mlp.c_proj in the first and
+    last eighth of the blocks and every third block between."""
+    if name.endswith("lm_head") or in_features % q4_k.SUPER:
+        return True
+    if name.endswith("attn.c_attn"):
+        return True
+    if name.endswith("mlp.c_proj"):
+        i = int(name.split(".")[-3])  # transformer.h.{i}.mlp.c_proj
+        return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+    return False
+
+
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16' or 'int8'),
     in place, and return it: see this module's docstring."""
@@ -230,10 +274,11 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
     if param.dtype != torch.float32:
         raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
-    if mode == "int8" and torch.backends.quantized.engine == "none":
+    if mode in ("int8", "q4") and torch.backends.quantized.engine == "none":
         raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
+    n_layer = getattr(getattr(model, "config", None), "n_layer", 0)
     for name, module in list(model.named_modules()):
         conv = isinstance(module, Conv1D)
         if not (conv or (name.endswith("lm_head") and isinstance(module, nn.Linear))):
@@ -241,8 +286,10 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         tied = not conv and wte is not None and module.weight is wte.weight
         if mode == "fp32":
             layer = Float32Linear(module.weight, module.bias, conv)
-        elif mode == "int8":
+        elif mode == "int8" or (mode == "q4" and q4_keeps_int8(name, module.weight.shape[0 if conv else 1], n_layer)):
             layer = Int8Linear(module.weight, module.bias, conv, tied)
+        elif mode == "q4":
+            layer = Q4Linear(module.weight, module.bias, conv, tied)
         else:
             layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
         parent_name, _, child = name.rpartition(".")
