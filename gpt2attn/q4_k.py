@@ -35,6 +35,22 @@ REFITS = 2  # alternating requantize / least-squares rounds after the search
 ROWS_PER_CHUNK = 1024  # rows quantized at a time (bounds the search's memory)
 
 
+def keeps_8_bits(name: str, in_features: int, n_layer: int) -> bool:
+    """Whether quantize()'s mode 'q4' (and a GGUF written as 'q4') keeps the matrix `name` (HF's:
+    transformer.h.{i}.attn.c_attn, ..., lm_head) in 8 bits rather than Q4_K: the head, a row
+    length Q4_K cannot hold (not a multiple of 256: gpt2-xl's 1600), and the matrices llama.cpp's
+    q4_K_M gives more bits (its 5- and 6-bit types): attn.c_attn everywhere, and mlp.c_proj in the
+    first and last eighth of the blocks and every third block between."""
+    if name.endswith("lm_head") or in_features % SUPER:
+        return True
+    if name.endswith("attn.c_attn"):
+        return True
+    if name.endswith("mlp.c_proj"):
+        i = int(name.split(".")[-3])  # transformer.h.{i}.mlp.c_proj
+        return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+    return False
+
+
 def check_rows(weight: Tensor) -> None:
     if weight.dim() != 2 or weight.size(1) % SUPER:
         raise ValueError(f"Q4_K takes rows of a multiple of {SUPER} weights, not shape {tuple(weight.shape)}")

@@ -249,21 +249,6 @@ class Q4Linear(PackedLinear):
         return F.linear(x, self.dequantized_weight(), self.bias)
 
 
-def q4_keeps_int8(name: str, in_features: int, n_layer: int) -> bool:
-    """Whether mode 'q4' keeps this matrix in int8 rather than Q4_K: the head, a row length Q4_K
-    cannot hold (not a multiple of 256: gpt2-xl's 1600), and the matrices llama.cpp's q4_K_M gives
-    more bits (its 5- and 6-bit types): attn.c_attn everywhere, and mlp.c_proj in the first and
-    last eighth of the blocks and every third block between."""
-    if name.endswith("lm_head") or in_features % q4_k.SUPER:
-        return True
-    if name.endswith("attn.c_attn"):
-        return True
-    if name.endswith("mlp.c_proj"):
-        i = int(name.split(".")[-3])  # transformer.h.{i}.mlp.c_proj
-        return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
-    return False
-
-
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16' or 'int8'),
     in place, and return it: see this module's docstring."""
@@ -286,7 +271,8 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         tied = not conv and wte is not None and module.weight is wte.weight
         if mode == "fp32":
             layer = Float32Linear(module.weight, module.bias, conv)
-        elif mode == "int8" or (mode == "q4" and q4_keeps_int8(name, module.weight.shape[0 if conv else 1], n_layer)):
+        elif mode == "int8" or (mode == "q4" and q4_k.keeps_8_bits(name, module.weight.shape[0 if conv else 1],
+                                                                   n_layer)):
             layer = Int8Linear(module.weight, module.bias, conv, tied)
         elif mode == "q4":
             layer = Q4Linear(module.weight, module.bias, conv, tied)
