@@ -10,6 +10,10 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
     fp16  16-bit copies as (out, in) rows, widened to fp32 inside the kernel (F16C); fp32 sums
     bf16  the same in bfloat16 (widened by a 16-bit shift: any AVX2 CPU does it at full speed)
     int8  int8, one scale per output channel (the fp32 weight rounded to 255 levels per row)
+    q4    llama.cpp's Q4_K (gpt2attn.q4_k): 4.5 bits a weight, 16 levels per 32 weights with a
+          6-bit scale and min, for the blocks' attn.c_proj, mlp.c_fc and mlp.c_proj; int8 (as
+          above) where llama.cpp's q4_K_M spends more bits (the head, attn.c_attn, mlp.c_proj in
+          some blocks) and for rows Q4_K cannot hold (gpt2attn.q4_k.keeps_8_bits)
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
@@ -18,21 +22,26 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
   - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' products, which
     read each weight once on all of torch's threads (fp32 in the layer's own layout, Conv1D's
     (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows; int8 with the input
-    quantized per call in blocks of 32 values, as llama.cpp's q8_0). Where the kernels cannot run
+    quantized per call in blocks of 32 values, as llama.cpp's q8_0; q4 the same input times Q4_K
+    rows). Where the kernels cannot run
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
+    so does q4's;
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
-    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small).
+    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small); q4's
+    Q4_K layers through MKL on the weight dequantized to fp32 for the call.
 Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
 computes with (the 16-bit or int8 weight widened back), and a tied head gives the embedding it was
 made from. So `save_pretrained` writes an ordinary fp32 folder that transformers opens, and
-`from_pretrained(folder, quantize=mode)` rebuilds the very same weights. The 16-bit and int8
-layers are for inference: no gradients flow through them.
+`from_pretrained(folder, quantize=mode)` rebuilds the very same weights (q4: nearly; its search,
+run again on the dequantized weights, may move a sub-block in a few thousand by a level; a GGUF
+written as 'q4' keeps the very Q4_K blocks). The 16-bit, int8 and q4 layers are for inference: no
+gradients flow through them.
 
 `cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
 training's dtype="auto" asks; the weights-only bf16 here does not need it.
@@ -250,7 +259,7 @@ class Q4Linear(PackedLinear):
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16' or 'int8'),
+    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
     in place, and return it: see this module's docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")

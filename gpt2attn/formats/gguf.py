@@ -7,7 +7,7 @@ its four linear weights are stored as Linear's (out, in) and come back here as C
 The file is parsed here (GGUFFile) and memory-mapped; every tensor is read as float32 (llama.cpp
 computes in F32 too): F32 ones stay views of the file, F16/BF16 are widened, and the quantized
 types are dequantized by the reference code of the `gguf` package (the extra `gpt2attn[gguf]`),
-which also writes.
+which also writes (Q4_K, which the package cannot write, by gpt2attn.q4_k: dtype 'q4').
 
 Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
 1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
