@@ -31,7 +31,7 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
     weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small); q4's
-    Q4_K layers through MKL on the weight dequantized to fp32 for the call.
+    Q4_K layers through the same kernel as their decoding (every row in one pass over the weights).
 Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
@@ -234,7 +234,7 @@ class Q4Linear(PackedLinear):
     """y = x Wᵀ + b with W (out, in) held as llama.cpp's Q4_K super-blocks (gpt2attn.q4_k): 4.5 bits
     a weight, a 6-bit scale and min per 32. in_features must be a multiple of 256."""
 
-    prefill_kernel = "torch (MKL) fp32 on the dequantized weight"
+    prefill_kernel = "gpt2attn q4_K rows, every row in one pass"
     decode_kernel = "gpt2attn q4_K rows (input in blocks of 32)"
     decode_reference = "the q4_K rows' reference, input in blocks of 32"
 
@@ -255,7 +255,12 @@ class Q4Linear(PackedLinear):
         return cpu_kernels.rows_q4k(x, self.blocks, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dequantized_weight(), self.bias)
+        # The decoding product takes a prompt's rows too, reading each weight once for all of them
+        # (measured no slower than dequantizing the weight for MKL's fp32 product, and no fp32
+        # copy); torch.compile and other dtypes take the dequantized weight
+        if self._decodes(x) and not torch.compiler.is_compiling():
+            return self.decode(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:

@@ -253,16 +253,15 @@ def test_q4_validation_loss_within_one_percent_of_fp32():
 
 
 @torch.no_grad()
-def test_a_q4_layer_prefills_with_its_dequantized_weight_and_decodes_with_the_kernel():
+def test_a_q4_layer_takes_a_prompt_through_the_q4_k_product():
     _, model = q4_model()
     layer = model.transformer.h[1].mlp.c_fc  # a Conv1D made Q4Linear: 256 -> 1024
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(20, 256, generator=g)  # a prompt's rows: prefill
-    expected = x @ q4_k.dequantize_rows(layer.blocks, 256).t() + layer.bias
-    assert relative(layer(x), expected) < 1e-5
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(1))  # a prompt's rows
     with num_threads(2):
-        few = layer(x[:3])  # a decoding step's rows
-    assert relative(few, kernels.rows_q4k_reference(x[:3], layer.blocks, layer.bias)) < 1e-5
+        got = layer(x)
+    reference = kernels.rows_q4k_reference(x, layer.blocks, layer.bias, rows=20)  # all rows at once
+    assert relative(got, reference) < 1e-5
+    assert relative(kernels.rows_q4k_reference(x, layer.blocks, layer.bias), reference) < 1e-6  # chunks of 8
 
 
 def test_gguf_q4_round_trip(tmp_path):
@@ -287,3 +286,18 @@ def test_gguf_q4_round_trip(tmp_path):
             assert torch.equal(state[name], ours[name]), name
         else:
             assert relative(state[name], ours[name]) < 0.02, name
+
+
+@needs_kernels
+def test_the_step_equals_the_modules_at_gpt2_small_shapes():
+    """Two blocks of gpt2-small's shapes (the head 50257 x 768 int8, the blocks' Q4_K rows 768 and
+    3072 long) made q4: the one-call step's logits and cache against the modules', 2 threads."""
+    from gpt2attn import GPT2Config
+    from test_decode_step import both_ways
+
+    cfg = GPT2Config.from_preset("gpt2")
+    cfg.n_layer = 2
+    model = randomize(GPT2LMHeadModel(cfg), seed=3, std=0.02).eval().quantize("q4")
+    assert type(model.transformer.h[0].mlp.c_proj) is Q4Linear  # (h[1]'s is int8: the last eighth)
+    expected, got, ref_cache, cache = both_ways(model, 2, prompt_len=12)
+    assert relative(got, expected) < 1e-4 and max_diff(cache.block, ref_cache.block) < 1e-5

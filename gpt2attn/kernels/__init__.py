@@ -367,16 +367,20 @@ def rows_q4k(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     return _product(matrix(blocks, bias, ROWS_Q4K), x)
 
 
-def rows_q4k_reference(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
-    B, K = x.shape
-    xq, xs = quantize_q8_reference(x)
+def rows_q4k_reference(x: Tensor, blocks: Tensor, bias: Tensor | None, rows: int = 8) -> Tensor:
+    K = x.size(1)
     q, scale, offset = q4_k.unpack(blocks, K)  # (N, K) levels; (N, K/32) scales and mins
     N = q.size(0)
-    xb = xq.view(B, -1, BLOCK).float()  # (B, K/32, 32)
-    # each sub-block's 32 products summed exactly (integers below 2^24 in fp32), then scaled;
-    # the mins take each block's sum of x: sum x (scale q - min) = scale (x . q) - min (sum x)
-    sums = torch.einsum("bjk,njk->bnj", xb, q.view(N, -1, BLOCK).float())  # (B, N, K/32)
-    y = (sums * xs[:, None, :] * scale).sum(-1) - ((xb.sum(-1) * xs)[:, None, :] * offset).sum(-1)  # (B, N)
+    levels = q.view(N, -1, BLOCK).float()  # (N, K/32, 32)
+    out = []
+    for chunk in x.split(rows):  # `rows` rows at a time: the (rows, N, K/32) sums stay small
+        xq, xs = quantize_q8_reference(chunk)
+        xb = xq.view(chunk.size(0), -1, BLOCK).float()  # (B, K/32, 32)
+        # each sub-block's 32 products summed exactly (integers below 2^24 in fp32), then scaled;
+        # the mins take each block's sum of x: sum x (scale q - min) = scale (x . q) - min (sum x)
+        sums = torch.einsum("bjk,njk->bnj", xb, levels)  # (B, N, K/32)
+        out.append((sums * xs[:, None, :] * scale).sum(-1) - ((xb.sum(-1) * xs)[:, None, :] * offset).sum(-1))
+    y = torch.cat(out)  # (B, N)
     return y if bias is None else y + bias
 
 
