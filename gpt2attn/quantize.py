@@ -1,5 +1,5 @@
-"""CPU inference: the weights of every matrix product in fp32, fp16, bf16 or int8, decoded at the
-speed of reading them.
+"""CPU inference: the weights of every matrix product in fp32, fp16, bf16, int8 or 4 bits (q4),
+decoded at the speed of reading them.
 
     model = GPT2LMHeadModel.from_pretrained(src, quantize="int8")   # or model.quantize("fp16"), ...
 
