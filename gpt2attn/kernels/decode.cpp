@@ -180,12 +180,13 @@ struct Products {
     std::vector<float> xs;       // (threads, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
     std::vector<float> xsums;    // (threads, B, max_k / 32): for ROWS_Q4K, each block's scale times its sum
+    std::vector<float> xorder;   // (threads, B, max_k): for ROWS_Q4K, x's blocks in the order its kernel reads them
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
           partial(nthreads * rows * cols_n), xq(nthreads * rows * k), xs(nthreads * rows * (k / 32)),
-          sums(nthreads * rows * max_span), xsums(nthreads * rows * (k / 32)) {}
+          sums(nthreads * rows * max_span), xsums(nthreads * rows * (k / 32)), xorder(nthreads * rows * k) {}
 
     // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
@@ -317,7 +318,9 @@ struct Products {
         int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;  // each thread its own, as rows_q8
         float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
         float* xsum_mine = xsums.data() + omp_get_thread_num() * B * (max_k / 32);
-        gpt2attn::quantize_q8(x, B * nb, xq_mine, xs_mine);
+        float* x_mine = xorder.data() + omp_get_thread_num() * B * max_k;
+        gpt2attn::q4k_order(x, B * K / 256, x_mine);
+        gpt2attn::quantize_q8(x_mine, B * nb, xq_mine, xs_mine);
         gpt2attn::block_sums_q8(xq_mine, xs_mine, B * nb, xsum_mine);
         const uint8_t* w = (const uint8_t*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)

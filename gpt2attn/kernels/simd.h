@@ -192,21 +192,40 @@ inline void block_sums_q8(const int8_t* xq, const float* xs, int64_t n_blocks, f
     }
 }
 
-// The eight 6-bit scales (or mins) of a super-block as floats, from the twelve bytes at `packed`
+// The order in which a q4k_block reads the eight sub-blocks of x (and their scales): on AVX-512,
+// 64 bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3
+// (5 and 7), so x's blocks are laid out in that order first (q4k_order); on AVX2, as they are.
+#ifdef GPT2ATTN_AVX512
+constexpr int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+#else
+constexpr int Q4K_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+
+// x (n_super x 256 floats) -> out, each super-block's eight blocks of 32 in Q4K_ORDER
+inline void q4k_order(const float* x, int64_t n_super, float* out) {
+    for (int64_t j = 0; j < n_super; j++)
+        for (int s = 0; s < 8; s++) memcpy(out + 256 * j + 32 * s, x + 256 * j + 32 * Q4K_ORDER[s], 32 * sizeof(float));
+}
+
+// The eight 6-bit scales (or mins) of a super-block as floats in Q4K_ORDER, from the twelve bytes at `packed`
 inline __m256 q4k_six_bits(const uint8_t* packed, bool mins) {
     uint32_t u[3];
     memcpy(u, packed, 12);
     const uint32_t own = mins ? u[1] : u[0];  // bytes 0-3 (scales) or 4-7 (mins): low 6 bits, then 2 high bits
     const uint32_t low = own & 0x3f3f3f3fu;
     const uint32_t high = ((mins ? u[2] >> 4 : u[2]) & 0x0f0f0f0fu) | ((own >> 2) & 0x30303030u);
-    const __m128i bytes = _mm_cvtsi64_si128((int64_t)(((uint64_t)high << 32) | low));
+    __m128i bytes = _mm_cvtsi64_si128((int64_t)(((uint64_t)high << 32) | low));
+#ifdef GPT2ATTN_AVX512
+    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // Q4K_ORDER
+#endif
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
 }
 
-// One Q4_K super-block of one row times x's 256 values there (xq, with the block scales xs (8)
-// and sums xsum (8)): adds the scaled products to acc and the mins' part to mins (subtracted at
-// the end). On AVX-512 a chunk of 64 nibbles is one VNNI vpdpbusd (u8 nibbles times s8 x), lanes
-// 0-7 summing sub-block 2c, lanes 8-15 sub-block 2c + 1; on AVX2 maddubs per 32.
+// One Q4_K super-block of one row times x's 256 values there (xq, its blocks in Q4K_ORDER, with
+// the block scales xs (8) and sums xsum (8) in that order too): adds the scaled products to acc
+// and the mins' part to mins (subtracted at the end). On AVX-512 each 64 bytes of levels give two
+// VNNI vpdpbusd (u8 nibbles times s8 x), of the low nibbles and of the high, each's lanes 0-7
+// summing one sub-block and 8-15 another; on AVX2 maddubs per 32.
 #ifdef GPT2ATTN_AVX512
 inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m512& acc,
                       __m256& mins) {
@@ -217,14 +236,16 @@ inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, c
     const __m512 scale16 = _mm512_castps256_ps512(scale);
     const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const uint8_t* qs = block + 16;
-    for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        const __m512i q = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
-        const __m512i dot = _mm512_dpbusd_epi32(zero, q, _mm512_loadu_si512(xq + 64 * c));
-        const __m512i which = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                               2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(which, scale16), acc);
+    for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
+        const __m512i raw = _mm512_loadu_si512(qs + 64 * h);
+        const __m512i dot_low = _mm512_dpbusd_epi32(zero, _mm512_and_si512(raw, low4), _mm512_loadu_si512(xq + 128 * h));
+        const __m512i dot_high = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                                     _mm512_loadu_si512(xq + 128 * h + 64));
+        const int s = 4 * h;  // in Q4K_ORDER: the low nibbles' sub-blocks at s, s + 1, the high ones' at s + 2, s + 3
+        const __m512i low_which = _mm512_set_epi32(s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s);
+        const __m512i high_which = _mm512_add_epi32(low_which, _mm512_set1_epi32(2));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low), _mm512_permutexvar_ps(low_which, scale16), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high), _mm512_permutexvar_ps(high_which, scale16), acc);
     }
 }
 #else
@@ -249,7 +270,8 @@ inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, c
 #endif
 
 // out[i] = x . w[i] for the four Q4_K rows w[i] = w0 + i * stride (bytes), x (K, a multiple of
-// 256) given as xq, xs and xsum (block_sums_q8); the same sums as the reference in fp32 rounding.
+// 256) given as xq, xs and xsum (block_sums_q8) of x in Q4K_ORDER (q4k_order); the same sums as
+// the reference in fp32 rounding.
 inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w0, int64_t stride, int64_t K,
                      bool prefetch, float* out) {
     const uint8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
