@@ -63,12 +63,12 @@ def quantize_rows(weight: Tensor) -> Tensor:
     return torch.cat([_quantize_chunk(chunk) for chunk in weight.split(ROWS_PER_CHUNK)])
 
 
-def _fit(x: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _fit(x: Tensor, q: Tensor, sx: Tensor, sxx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Least-squares scale a >= 0 and min b >= 0 of x ~ a q - b over each sub-block (last dim),
-    and its squared error; b = 0 (and a refitted alone) where the free fit would want a grid
-    starting above zero."""
+    and its squared error, given x's sums sx and sxx (of x and x^2, the same for every q); b = 0
+    (and a refitted alone) where the free fit would want a grid starting above zero."""
     n = x.size(-1)
-    sq, sx, sqq, sqx, sxx = q.sum(-1), x.sum(-1), (q * q).sum(-1), (q * x).sum(-1), (x * x).sum(-1)
+    sq, sqq, sqx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
     det = n * sqq - sq * sq
     a = torch.where(det > 0, (n * sqx - sq * sx) / det.clamp(min=1e-30), 0.0)
     b = (a * sq - sx) / n
@@ -92,17 +92,17 @@ def _quantize_chunk(rows: Tensor) -> Tensor:
     span = (x.amax(-1) - lo).clamp(min=1e-30)
     # the search: each candidate number of levels across [lo, max], refitted; the best kept
     a = b = error = None
-    above = x - lo[..., None]
+    above, sx, sxx = x - lo[..., None], x.sum(-1), (x * x).sum(-1)
     for c in CANDIDATES.tolist():
         q = torch.round(above * ((LEVELS + c) / span)[..., None]).clamp_(0, LEVELS)  # (N, S, 32)
-        a_c, b_c, e_c = _fit(x, q)  # (N, S) each
+        a_c, b_c, e_c = _fit(x, q, sx, sxx)  # (N, S) each
         if error is None:
             a, b, error = a_c, b_c, e_c
         else:
             better = e_c < error
             a, b, error = torch.where(better, a_c, a), torch.where(better, b_c, b), torch.minimum(e_c, error)
     for _ in range(REFITS):
-        a, b, _ = _fit(x, _grid(x, a, b))
+        a, b, _ = _fit(x, _grid(x, a, b), sx, sxx)
     # the eight scales and mins of a super-block in 6 bits: steps d, dmin (fp16), levels 0..63
     a8, b8 = a.view(N, K // SUPER, 8), b.view(N, K // SUPER, 8)
     d = (a8.amax(-1) / 63).half()  # (N, K/256)
