@@ -25,7 +25,7 @@ from . import kernels
 from .cache import KVCache
 from .config import inner_dim
 from .layers import Conv1D
-from .quantize import Float32Linear, HalfLinear, Int8Linear
+from .quantize import Float32Linear, HalfLinear, Int8Linear, Q4Linear
 
 
 class DecodeStep:
@@ -75,7 +75,9 @@ class DecodeStep:
     def _matrix(self, layer: nn.Module) -> kernels.Matrix:
         """A Conv1D, nn.Linear or quantize() layer as decode.cpp's Matrix: its weight in the layout it holds."""
         scale = None
-        if isinstance(layer, Int8Linear):
+        if isinstance(layer, Q4Linear):
+            weight, kind = layer.blocks, kernels.ROWS_Q4K  # (out, in/256 * 144) bytes
+        elif isinstance(layer, Int8Linear):
             weight, scale, kind = layer.weight8, layer.scale, kernels.ROWS_Q8
         elif isinstance(layer, HalfLinear):
             weight, kind = layer.weight16, kernels.ROWS[layer.weight16.dtype]  # (out, in)

@@ -65,7 +65,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def from_pretrained(cls, pretrained_model_name_or_path: Any, dtype: Any = None, device: Any = None,
                         quantize: str | None = None, **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
-        quantize='fp32', 'fp16', 'bf16' or 'int8' then applies gpt2attn.quantize (CPU inference)."""
+        quantize='fp32', 'fp16', 'bf16', 'int8' or 'q4' then applies gpt2attn.quantize (CPU inference)."""
         loaded = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
         model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # as transformers records it
@@ -75,8 +75,8 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         return (model, info) if info is not None else model
 
     def quantize(self, mode: str = "int8"):
-        """Make the model decode fast on the CPU, in place, with weights in 'fp32', 'fp16', 'bf16'
-        or 'int8'; see gpt2attn.quantize."""
+        """Make the model decode fast on the CPU, in place, with weights in 'fp32', 'fp16', 'bf16',
+        'int8' or 'q4'; see gpt2attn.quantize."""
         return quantize(self, mode)
 
     def save_pretrained(self, save_directory: Any, **kwargs: Any) -> None:

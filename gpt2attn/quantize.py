@@ -1,5 +1,5 @@
-"""CPU inference: the weights of every matrix product in fp32, fp16, bf16 or int8, decoded at the
-speed of reading them.
+"""CPU inference: the weights of every matrix product in fp32, fp16, bf16, int8 or 4 bits (q4),
+decoded at the speed of reading them.
 
     model = GPT2LMHeadModel.from_pretrained(src, quantize="int8")   # or model.quantize("fp16"), ...
 
@@ -10,6 +10,10 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
     fp16  16-bit copies as (out, in) rows, widened to fp32 inside the kernel (F16C); fp32 sums
     bf16  the same in bfloat16 (widened by a 16-bit shift: any AVX2 CPU does it at full speed)
     int8  int8, one scale per output channel (the fp32 weight rounded to 255 levels per row)
+    q4    llama.cpp's Q4_K (gpt2attn.q4_k): 4.5 bits a weight, 16 levels per 32 weights with a
+          6-bit scale and min, for the blocks' attn.c_proj, mlp.c_fc and mlp.c_proj; int8 (as
+          above) where llama.cpp's q4_K_M spends more bits (the head, attn.c_attn, mlp.c_proj in
+          some blocks) and for rows Q4_K cannot hold (gpt2attn.q4_k.keeps_8_bits)
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
@@ -18,21 +22,26 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
   - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' products, which
     read each weight once on all of torch's threads (fp32 in the layer's own layout, Conv1D's
     (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows; int8 with the input
-    quantized per call in blocks of 32 values, as llama.cpp's q8_0). Where the kernels cannot run
+    quantized per call in blocks of 32 values, as llama.cpp's q8_0; q4 the same input times Q4_K
+    rows). Where the kernels cannot run
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
+    so does q4's;
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
     int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
     with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
-    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small).
+    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small); q4's
+    Q4_K layers through the same kernel as their decoding (every row in one pass over the weights).
 Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
 computes with (the 16-bit or int8 weight widened back), and a tied head gives the embedding it was
 made from. So `save_pretrained` writes an ordinary fp32 folder that transformers opens, and
-`from_pretrained(folder, quantize=mode)` rebuilds the very same weights. The 16-bit and int8
-layers are for inference: no gradients flow through them.
+`from_pretrained(folder, quantize=mode)` rebuilds the very same weights (q4: nearly; its search,
+run again on the dequantized weights, may move a sub-block in a few thousand by a level; a GGUF
+written as 'q4' keeps the very Q4_K blocks). The 16-bit, int8 and q4 layers are for inference: no
+gradients flow through them.
 
 `cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
 training's dtype="auto" asks; the weights-only bf16 here does not need it.
@@ -48,9 +57,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels as cpu_kernels
+from . import q4_k
 from .layers import Conv1D
 
-MODES = ("fp32", "fp16", "bf16", "int8")
+MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kernels
 
@@ -220,8 +230,41 @@ class Int8Linear(PackedLinear):
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
+class Q4Linear(PackedLinear):
+    """y = x Wᵀ + b with W (out, in) held as llama.cpp's Q4_K super-blocks (gpt2attn.q4_k): 4.5 bits
+    a weight, a 6-bit scale and min per 32. in_features must be a multiple of 256."""
+
+    prefill_kernel = "gpt2attn q4_K rows, every row in one pass"
+    decode_kernel = "gpt2attn q4_K rows (input in blocks of 32)"
+    decode_reference = "the q4_K rows' reference, input in blocks of 32"
+
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
+        rows = weight.t() if self.conv else weight  # (out, in)
+        self.blocks = q4_k.quantize_rows(rows.contiguous())  # (out, in/256 * 144) uint8
+        self.bias = bias
+
+    def dequantized_weight(self) -> Tensor:
+        """The fp32 weight (out, in) this layer computes with."""
+        return q4_k.dequantize_rows(self.blocks, self.in_features)
+
+    def hf_weight(self) -> Tensor:
+        w = self.dequantized_weight()
+        return w.t() if self.conv else w
+
+    def decode(self, x: Tensor) -> Tensor:
+        return cpu_kernels.rows_q4k(x, self.blocks, self.bias)
+
+    def prefill(self, x: Tensor) -> Tensor:
+        # The decoding product takes a prompt's rows too, reading each weight once for all of them
+        # (measured no slower than dequantizing the weight for MKL's fp32 product, and no fp32
+        # copy); torch.compile and other dtypes take the dequantized weight
+        if self._decodes(x) and not torch.compiler.is_compiling():
+            return self.decode(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16' or 'int8'),
+    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
     in place, and return it: see this module's docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -230,10 +273,11 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
     if param.dtype != torch.float32:
         raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
-    if mode == "int8" and torch.backends.quantized.engine == "none":
+    if mode in ("int8", "q4") and torch.backends.quantized.engine == "none":
         raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
+    n_layer = getattr(getattr(model, "config", None), "n_layer", 0)
     for name, module in list(model.named_modules()):
         conv = isinstance(module, Conv1D)
         if not (conv or (name.endswith("lm_head") and isinstance(module, nn.Linear))):
@@ -241,8 +285,11 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         tied = not conv and wte is not None and module.weight is wte.weight
         if mode == "fp32":
             layer = Float32Linear(module.weight, module.bias, conv)
-        elif mode == "int8":
+        elif mode == "int8" or (mode == "q4" and q4_k.keeps_8_bits(name, module.weight.shape[0 if conv else 1],
+                                                                   n_layer)):
             layer = Int8Linear(module.weight, module.bias, conv, tied)
+        elif mode == "q4":
+            layer = Q4Linear(module.weight, module.bias, conv, tied)
         else:
             layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
         parent_name, _, child = name.rpartition(".")

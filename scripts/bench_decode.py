@@ -1,7 +1,8 @@
 """CPU decoding and prefill, ours vs llama.cpp on the same weights, against the machine's read rate.
 
-    python scripts/bench.py decode --llama-cpp PATH/TO/llama-bench [--rounds 5] [--threads 2]
-                                   [--prompt 32] [--new 64] [--prefill 128,512] [--only plain,fp32,fp16,bf16,int8]
+    python scripts/bench.py decode --llama-cpp PATH/TO/llama-bench [--llama-quantize PATH/TO/llama-quantize]
+                                   [--rounds 5] [--threads 2] [--prompt 32] [--new 64] [--prefill 128,512]
+                                   [--only plain,fp32,fp16,bf16,int8,q4]
 
 (`python scripts/bench.py generate --llama-cpp PATH` is the same.)
 
@@ -9,7 +10,8 @@ gpt2-small shapes, random weights (seed 0), eval. The plain model as loaded (`pl
 quantize() call) and each precision of ours (`model.quantize(mode)`) is paired with a GGUF file of
 the same weights written by gpt2attn.formats.gguf (with a synthetic byte-level BPE vocabulary of
 50257 tokens, which llama.cpp needs to load a file): plain ~ f32, fp32 ~ f32, fp16 ~ f16, bf16 ~
-bf16, int8 ~ q8_0. In every round, for every precision in turn: llama.cpp's llama-bench (once a
+bf16, int8 ~ q8_0, and q4 ~ llama.cpp's q4_K_M, which llama-quantize (--llama-quantize; default: the
+one beside llama-bench) makes from the f32 file. In every round, for every precision in turn: llama.cpp's llama-bench (once a
 round per file: plain and fp32 share the f32 figures) (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
 before ours runs, so its spinning threads never meet torch's), then ours: greedy generate of NEW
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
@@ -20,7 +22,8 @@ reading its share as 8 streams, and torch's sum; the fastest counts; the rate of
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
-(the weight matrices in that precision; KV cache and embedding rows left out).
+(the weight matrices in that precision; KV cache and embedding rows left out; for q4 and q4_K_M,
+which mix types, the bytes of the matrices as held: our layers' tensors, the GGUF file's tensor table).
 The raw rows also come out as one JSON line (`RESULTS [...]`); `run()` returns them and the table's rows.
 """
 
@@ -37,12 +40,13 @@ from pathlib import Path
 
 import torch
 from bench_common import machine_line, read_sum
+from profile_decode import weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.formats import gguf
 
 # plain: the fp32 model as loaded, no quantize() call (generate's default path)
-PAIRS = {"plain": "f32", "fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0"}
+PAIRS = {"plain": "f32", "fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "q4": "q4_K_M"}
 # (bytes per weight, bytes per matrix row) read by each: q8_0 holds 32 int8 and one fp16 scale per
 # block, our int8 one fp32 scale per row
 BYTES = {"plain": (4.0, 0.0), "fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2.0, 0.0), "int8": (1.0, 4.0),
@@ -52,6 +56,8 @@ BYTES = {"plain": (4.0, 0.0), "fp32": (4.0, 0.0), "fp16": (2.0, 0.0), "bf16": (2
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.py decode")
     parser.add_argument("--llama-cpp", required=True, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--llama-quantize", help="path of llama.cpp's llama-quantize, which makes q4_K_M for q4 "
+                        "(default: the one beside llama-bench)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=32)
@@ -59,6 +65,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prefill", default="128,512", help="comma-separated prompt lengths for prefill")
     parser.add_argument("--only", default=",".join(PAIRS), help="comma-separated precisions: " + ", ".join(PAIRS))
     args = parser.parse_args(argv)
+    if args.llama_quantize is None and Path(args.llama_cpp).with_name("llama-quantize").is_file():
+        args.llama_quantize = str(Path(args.llama_cpp).with_name("llama-quantize"))
+    if "q4" in args.only.split(",") and args.llama_quantize is None:
+        parser.error("q4 is compared with llama.cpp's q4_K_M, which needs --llama-quantize PATH (llama.cpp's "
+                     "llama-quantize; build it with `cmake --build build --target llama-quantize`)")
     rows, shown = run(args)
     print("RESULTS " + json.dumps(rows))
     return shown  # bench.py writes these, with the machine and date, to docs/benchmarks/results/decode.json
@@ -105,6 +116,20 @@ def matrix_bytes(model: GPT2LMHeadModel, per_weight: float, per_row: float = 0.0
     return total + cfg.vocab_size * cfg.n_embd * per_weight + cfg.vocab_size * per_row
 
 
+def gguf_matrix_bytes(path: Path) -> float:
+    """Bytes of the weight matrices a decoding step of the GGUF file at path reads (the blocks' four
+    and output.weight), from its tensor table."""
+    file = gguf.GGUFFile(path)
+    return float(sum(length for name, (_, _, _, length) in file.tensors.items()
+                     if name.endswith(gguf.LINEARS) or name == "output.weight"))
+
+
+def llama_quantize(binary: str, source: Path, target: Path, kind: str) -> None:
+    done = subprocess.run([binary, str(source), str(target), kind.upper()], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{binary} {source} {target} {kind.upper()} failed:\n{done.stderr[-2000:]}")
+
+
 def best_of(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -132,7 +157,15 @@ def run(args) -> tuple[list[dict], list[dict]]:
         model.load_state_dict(state)
         ours[mode] = model if mode == "plain" else model.quantize(mode)
         files[mode] = Path(tmp.name) / f"gpt2-{PAIRS[mode]}.gguf"
-        gguf.write(files[mode], state, cfg, dtype=PAIRS[mode], tokenizer=tokenizer)
+        if PAIRS[mode] == "q4_K_M":  # llama.cpp's own 4-bit mix, made by llama-quantize from the f32 file
+            f32 = Path(tmp.name) / "gpt2-f32-for-quantize.gguf"
+            gguf.write(f32, state, cfg, dtype="f32", tokenizer=tokenizer)
+            llama_quantize(args.llama_quantize, f32, files[mode], PAIRS[mode])
+            f32.unlink()
+        else:
+            gguf.write(files[mode], state, cfg, dtype=PAIRS[mode], tokenizer=tokenizer)
+    # q4 and q4_K_M mix types: the bytes as held (our layers' tensors, the file's table)
+    held = {"q4": weight_bytes(ours["q4"]), PAIRS["q4"]: gguf_matrix_bytes(files["q4"])} if "q4" in modes else {}
     buffer = torch.randn(int(matrix_bytes(fp32, 4.0)) // 4)
 
     g = torch.Generator().manual_seed(1)
@@ -189,7 +222,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     rows, shown = [], []
     for mode in modes:
         for side, kind in (("ours", mode), ("llama.cpp", PAIRS[mode])):
-            nbytes = matrix_bytes(fp32, *BYTES[kind])
+            nbytes = held[kind] if kind in held else matrix_bytes(fp32, *BYTES[kind])
             row = {"precision": mode, "engine": side, "format": kind, "bytes_per_token": nbytes,
                    "read_rate_gb_s": rate / 1e9, "one_stream_read_rate_gb_s": statistics.median(one_stream_rates) / 1e9,
                    "threads": args.threads}

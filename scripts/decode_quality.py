@@ -1,18 +1,26 @@
 """What each quantize() mode costs in quality, on the shipped character model through the decoding path.
 
-    python scripts/decode_quality.py [--data TEXT]    # default: tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA
+    python scripts/decode_quality.py [--data TEXT] [--llama-quantize PATH]
+    # default data: tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA
 
 The last 10% of the text, 8 blocks of 128 characters fed one character per forward through the
 KV cache (the path generate takes for its new tokens), batch 8. Per mode: the loss relative to
 the plain fp32 model's (its forward over whole blocks, no cache), the largest logit difference
 from that model's logits over its largest logit, and whether 64 greedy tokens after a
 16-character prompt equal the plain model's. Prints a Markdown table with the machine and date.
+
+With --llama-quantize (llama.cpp's binary), one more row: the model written as an f32 GGUF by
+gpt2attn, quantized to q4_K_M by llama.cpp, read back through gpt2attn's GGUF reader (its weights
+dequantized to fp32) and decoded as a plain fp32 model: llama.cpp's 4-bit weights, the bar for q4.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -38,6 +46,7 @@ def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=SHAKESPEARE)
+    parser.add_argument("--llama-quantize", help="path of llama.cpp's llama-quantize: add a row for its q4_K_M")
     args = parser.parse_args(argv)
     text = read_text_file(args.data)
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
@@ -52,14 +61,32 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line() + f"; {datetime.date.today().isoformat()}")
     print(f"| mode | loss vs fp32 ({loss_ref:.5f}) | largest logit difference / largest logit | 64 greedy tokens = fp32's |")
     print("|---|---|---|---|")
-    for mode in MODES:
-        model = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR, quantize=mode).eval()
+    rows = [(mode, lambda mode=mode: GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR, quantize=mode))
+            for mode in MODES]
+    tmp = tempfile.TemporaryDirectory()
+    if args.llama_quantize:
+        rows.append(("llama.cpp q4_K_M (read as fp32)", lambda: llama_q4_k_m(plain, args.llama_quantize, Path(tmp.name))))
+    for name, load in rows:
+        model = load().eval()
         logits = decoded_logits(model, blocks)
         loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()).item()
         diff = ((logits - reference).abs().max() / reference.abs().max()).item()
         same = torch.equal(model.generate(prompt, max_new_tokens=64, eos_token_id=None), tokens_ref)
-        print(f"| {mode} | {100 * (loss - loss_ref) / loss_ref:+.3f}% | {diff:.1e} | {'yes' if same else 'no'} |")
+        print(f"| {name} | {100 * (loss - loss_ref) / loss_ref:+.3f}% | {diff:.1e} | {'yes' if same else 'no'} |")
+    tmp.cleanup()
     return 0
+
+
+def llama_q4_k_m(plain: GPT2LMHeadModel, llama_quantize: str, folder: Path) -> GPT2LMHeadModel:
+    """The model's weights as llama.cpp's q4_K_M, made by llama-quantize from gpt2attn's f32 GGUF
+    and read back through gpt2attn's GGUF reader."""
+    f32, q4 = folder / "model-f32.gguf", folder / "model-q4_K_M.gguf"
+    plain.save_pretrained(folder / "hf")
+    load_tokenizer(DEFAULT_MODEL_DIR).save(str(folder / "hf" / "tokenizer.json"))
+    subprocess.run([sys.executable, "-m", "gpt2attn", "convert", str(folder / "hf"), str(f32), "--dtype", "f32"],
+                   check=True, capture_output=True)
+    subprocess.run([llama_quantize, str(f32), str(q4), "Q4_K_M"], check=True, capture_output=True)
+    return GPT2LMHeadModel.from_pretrained(q4)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ from gpt2attn.quantize import CpuLinear
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every CpuLinear's weight (and int8 scales), as bench_decode counts."""
+    """Bytes a decode step reads: every CpuLinear's weight (and int8 scales; q4's blocks)."""
     total = 0
     for mod in model.modules():
         if isinstance(mod, CpuLinear):
-            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "weight8", "scale")):
+            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "weight8", "scale", "blocks")):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
     return total

@@ -746,7 +746,7 @@ def test_each_dtype_name_writes_its_type(tmp_path, dtype, kind, file_type):
 def test_another_dtype_is_refused_naming_the_file_and_the_choices(tmp_path, dtype):
     with pytest.raises(ValueError) as error:
         ours.write(tmp_path / "m.gguf", model_of().state_dict(), model_of().config, dtype=dtype)
-    assert str(error.value) == f"{tmp_path / 'm.gguf'}: GGUF is written as f32, f16, bf16, q8_0, not {dtype}"
+    assert str(error.value) == f"{tmp_path / 'm.gguf'}: GGUF is written as f32, f16, bf16, q8_0, q4, not {dtype}"
     assert not (tmp_path / "m.gguf").exists()
 
 

@@ -35,7 +35,8 @@ def add_arguments(parser) -> None:
                         "characters, else a note says why not), any other name "
                         "an HF folder (each written beside and swapped in whole: never half a model)")
     parser.add_argument("--dtype", help="store the weights in this dtype (default: as in SRC): HF folder float32/fp32, "
-                        "float16/fp16, bfloat16/bf16; llm.c fp32, bf16; GGUF f32, f16 (default), bf16, q8_0")
+                        "float16/fp16, bfloat16/bf16; llm.c fp32, bf16; GGUF f32, f16 (default), bf16, q8_0, q4 "
+                        "(quantize()'s mode q4: Q4_K, Q8_0 where it keeps 8 bits)")
     parser.add_argument("--max-shard-size", help="split into shards of at most this size, e.g. 500MB")
     parser.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of safetensors")
     parser.add_argument("--overwrite", action="store_true",

@@ -24,7 +24,7 @@ def add_arguments(parser):
                        ("--typical-p", float), ("--repetition-penalty", float), ("--no-repeat-ngram-size", int),
                        ("--min-new-tokens", int), ("--num-beams", int), ("--length-penalty", float)):
         parser.add_argument(flag, type=kind, default=None, help="default: the model's generation config")
-    parser.add_argument("--quantize", choices=["fp32", "fp16", "bf16", "int8"], default=None,
+    parser.add_argument("--quantize", choices=["fp32", "fp16", "bf16", "int8", "q4"], default=None,
                         help="CPU decoding at the memory's read rate with weights in this precision "
                              "(see gpt2attn.quantize, docs/cpu-decoding.md)")
 

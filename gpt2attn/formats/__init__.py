@@ -13,7 +13,7 @@
     state_dict.py  what they share: key conventions, a config from shapes, weights-only torch.load
     hf.py          Hugging Face folders and .safetensors / .bin files (also save_pretrained)
     llmc.py        llm.c's gpt2_124M.bin model files (fp32, bf16)
-    gguf.py        llama.cpp's GGUF (read F32 ... Q6_K, write f32/f16/bf16/q8_0; tokenizer embedded)
+    gguf.py        llama.cpp's GGUF (read F32 ... Q6_K, write f32/f16/bf16/q8_0/q4; tokenizer embedded)
     nanogpt.py     nanoGPT's ckpt.pt (read)
     openai_tf.py   OpenAI's TensorFlow release (read; the bundle reader is gpt2attn/tf_checkpoint.py)
 

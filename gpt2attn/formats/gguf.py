@@ -7,7 +7,7 @@ its four linear weights are stored as Linear's (out, in) and come back here as C
 The file is parsed here (GGUFFile) and memory-mapped; every tensor is read as float32 (llama.cpp
 computes in F32 too): F32 ones stay views of the file, F16/BF16 are widened, and the quantized
 types are dequantized by the reference code of the `gguf` package (the extra `gpt2attn[gguf]`),
-which also writes.
+which also writes (Q4_K, which the package cannot write, by gpt2attn.q4_k: dtype 'q4').
 
 Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
 1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
@@ -33,6 +33,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config, inner_dim, is_int
 from ..errors import CheckpointError
 from ..files import write_atomic
+from ..q4_k import keeps_8_bits, quantize_rows
 from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
 from .state_dict import MAX_DIM_SIZE, normalize_keys
 
@@ -60,7 +61,8 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
 GGML_BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
                "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 36), "Q2_K": (256, 84), "Q3_K": (256, 110),
                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292)}
-WRITE_TYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}  # (type, file_type)
+WRITE_TYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7),
+               "q4": ("Q4_K", 15)}  # (type, file_type); q4: quantize()'s mode q4, Q4_K and Q8_0 (below)
 
 
 def _gguf():
@@ -343,7 +345,8 @@ def tokenizer_of(path: Path):
 def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: Any = None,
           tokenizer: Any = None) -> None:
     """A GGUF file of a GPT2LMHeadModel's state dict, as llama.cpp's converter writes one; dtype
-    'f32', 'f16' (default), 'bf16' or 'q8_0' for the 2-D weights. Written atomically."""
+    'f32', 'f16' (default), 'bf16', 'q8_0' or 'q4' (quantize()'s mode: Q4_K blocks, Q8_0 for the
+    matrices it keeps in 8 bits) for the 2-D weights. Written atomically."""
     gguf = _gguf()
     path = Path(path)
     kind = "f16" if dtype is None else str(dtype).lower().replace("float32", "f32").replace("float16", "f16")
@@ -365,6 +368,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     order = ["token_embd.weight", "position_embd.weight"] + [f"blk.{i}.{n}.{p}" for i in range(config.n_layer)
              for n in BLOCK_NAMES for p in ("weight", "bias")] + ["output_norm.weight", "output_norm.bias", "output.weight"]
     by_gguf = {ours_to_gguf[k]: v for k, v in state.items() if k in ours_to_gguf}
+    gguf_to_ours = {theirs: ours for ours, theirs in ours_to_gguf.items()}
     missing = [name for name in order if name not in by_gguf]
     if missing:
         raise ValueError(f"{path}: cannot write GGUF: the state dict lacks {', '.join(missing)}")
@@ -376,6 +380,14 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
                 or name == "position_embd.weight":
             kind_here = gguf.GGMLQuantizationType.F32  # as the converter keeps them
+        if kind == "q4" and kind_here == qtype:  # Q4_K as quantize("q4") holds it, else Q8_0 where it keeps 8 bits
+            # (token_embd: the tied head's); llama.cpp's file type for this mix is MOSTLY_Q4_K_M (15)
+            matrix = gguf_to_ours[name].removesuffix(".weight") if name != "token_embd.weight" else "lm_head"
+            if keeps_8_bits(matrix, array.shape[1], config.n_layer):
+                kind_here = gguf.GGMLQuantizationType.Q8_0
+            else:
+                tensors.append((name, quantize_rows(torch.from_numpy(array)).numpy(), kind_here))
+                continue
         try:
             stored = gguf.quants.quantize(array, kind_here)
         except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16

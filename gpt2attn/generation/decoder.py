@@ -21,11 +21,11 @@ from .. import kernels
 from ..cache import KVCache
 from ..decode_step import DecodeStep
 from ..layers import MLP, Attention, Block, Conv1D, LMHead, no_tap
-from ..quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
+from ..quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear, Q4Linear
 
 TANH_GELU = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python_tanh")  # the GELU decode.cpp computes
-STEP_LAYERS = (Conv1D, Float32Linear, HalfLinear, Int8Linear)  # the block products the step reads
-STEP_HEADS = (LMHead, nn.Linear, Float32Linear, HalfLinear, Int8Linear)
+STEP_LAYERS = (Conv1D, Float32Linear, HalfLinear, Int8Linear, Q4Linear)  # the block products the step reads
+STEP_HEADS = (LMHead, nn.Linear, Float32Linear, HalfLinear, Int8Linear, Q4Linear)
 
 
 def unfused_reason(model: nn.Module, rows: int = 1, token_type_ids: Tensor | None = None,

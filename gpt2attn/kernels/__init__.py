@@ -9,6 +9,8 @@ threads, and accumulate in fp32:
     rows(x, w, bias)            w (N, K), nn.Linear's layout (the LM head), fp32, fp16 or bf16 -> (B, N)
     rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
                                 in blocks of 32 (quantize_q8)                           -> (B, N)
+    rows_q4k(x, blocks, bias)   blocks (N, K/256 * 144) uint8, llama.cpp's Q4_K (gpt2attn.q4_k);
+                                x quantized as for rows_q8                              -> (B, N)
     decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
 
 Each product has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the
@@ -53,6 +55,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from .. import q4_k
 
 SOURCES = [Path(__file__).with_name("decode.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by decode.cpp: part of the cache key
@@ -243,6 +247,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 COLS_F32 = 0  # (K, N), Conv1D's layout
 ROWS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # (N, K), nn.Linear's layout
 ROWS_Q8 = 4  # (N, K) int8, one scale per row
+ROWS_Q4K = 5  # (N, K/256 * 144) uint8: each row's Q4_K super-blocks
 
 
 class Matrix(ctypes.Structure):
@@ -274,6 +279,8 @@ def matrix(weight: Tensor, bias: Tensor | None, kind: int, scale: Tensor | None 
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()), "bias: contiguous fp32"
     assert scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()), "scale: contiguous fp32"
     N, K = weight.shape[::-1] if kind == COLS_F32 else weight.shape
+    if kind == ROWS_Q4K:
+        K = K // q4_k.BYTES * q4_k.SUPER  # bytes per row -> weights per row
     return Matrix(_ptr(weight), _ptr(scale), _ptr(bias), K, N, kind)
 
 
@@ -348,6 +355,32 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
     # each block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
     sums = torch.einsum("bjk,njk->bnj", xq.view(B, -1, BLOCK).float(), w8.view(N, -1, BLOCK).float())  # (B, N, K/32)
     y = (sums * xs[:, None, :]).sum(-1) * scale  # (B, N)
+    return y if bias is None else y + bias
+
+
+def rows_q4k(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+    """x (B, K) fp32 times the Q4_K rows blocks (N, K/256 * 144) uint8 (gpt2attn.q4_k), transposed,
+    plus bias -> (B, N) fp32, with x quantized as quantize_q8 does first."""
+    if library() is None:
+        return rows_q4k_reference(x, blocks, bias)
+    assert blocks.dtype == torch.uint8 and blocks.size(1) % q4_k.BYTES == 0
+    return _product(matrix(blocks, bias, ROWS_Q4K), x)
+
+
+def rows_q4k_reference(x: Tensor, blocks: Tensor, bias: Tensor | None, rows: int = 8) -> Tensor:
+    K = x.size(1)
+    q, scale, offset = q4_k.unpack(blocks, K)  # (N, K) levels; (N, K/32) scales and mins
+    N = q.size(0)
+    levels = q.view(N, -1, BLOCK).float()  # (N, K/32, 32)
+    out = []
+    for chunk in x.split(rows):  # `rows` rows at a time: the (rows, N, K/32) sums stay small
+        xq, xs = quantize_q8_reference(chunk)
+        xb = xq.view(chunk.size(0), -1, BLOCK).float()  # (B, K/32, 32)
+        # each sub-block's 32 products summed exactly (integers below 2^24 in fp32), then scaled;
+        # the mins take each block's sum of x: sum x (scale q - min) = scale (x . q) - min (sum x)
+        sums = torch.einsum("bjk,njk->bnj", xb, levels)  # (B, N, K/32)
+        out.append((sums * xs[:, None, :] * scale).sum(-1) - ((xb.sum(-1) * xs)[:, None, :] * offset).sum(-1))
+    y = torch.cat(out)  # (B, N)
     return y if bias is None else y + bias
 
 

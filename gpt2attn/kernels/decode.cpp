@@ -12,6 +12,9 @@
 //   ROWS_Q8                  (N, K) int8 with one fp32 scale per row; x is quantized in blocks of
 //                            32 with one scale each (llama.cpp's q8_0), each block's 32 products
 //                            summed exactly in int32
+//   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes, simd.h),
+//                            K a multiple of 256; x quantized as for ROWS_Q8, each sub-block's 32
+//                            products of nibbles and x summed exactly in int32
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 //
@@ -43,7 +46,7 @@
 
 extern "C" {
 
-enum Kind : int32_t { COLS_F32 = 0, ROWS_F32 = 1, ROWS_F16 = 2, ROWS_BF16 = 3, ROWS_Q8 = 4 };
+enum Kind : int32_t { COLS_F32 = 0, ROWS_F32 = 1, ROWS_F16 = 2, ROWS_BF16 = 3, ROWS_Q8 = 4, ROWS_Q4K = 5 };
 
 struct Matrix {
     const void* weight;  // see Kind for the layout
@@ -73,7 +76,7 @@ struct Model {
 
 namespace {
 
-using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
+using gpt2attn::dot4, gpt2attn::dot4_q4k, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
 
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
@@ -81,7 +84,10 @@ constexpr int64_t KCHUNK = 32;  // rows of a (K, N) weight per chunk (a multiple
 constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product
 constexpr int64_t SLICE = 256;  // outputs per task when the threads' partials of a cols product are summed
 
-bool is_kind(int32_t kind) { return kind >= COLS_F32 && kind <= ROWS_Q8; }
+bool is_kind(int32_t kind) { return kind >= COLS_F32 && kind <= ROWS_Q4K; }
+
+// K values a row of this kind must come in multiples of (its blocks)
+int64_t k_multiple(int32_t kind) { return kind == ROWS_Q8 ? 32 : kind == ROWS_Q4K ? 256 : 1; }
 
 // e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
 // error below 1e-8), 2^n put into the exponent bits.
@@ -173,12 +179,14 @@ struct Products {
     std::vector<int8_t> xq;      // (threads, B, max_k): x quantized for ROWS_Q8, by each thread for itself
     std::vector<float> xs;       // (threads, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
+    std::vector<float> xsums;    // (threads, B, max_k / 32): for ROWS_Q4K, each block's scale times its sum
+    std::vector<float> xorder;   // (threads, B, max_k): for ROWS_Q4K, x's blocks in the order its kernel reads them
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
           partial(nthreads * rows * cols_n), xq(nthreads * rows * k), xs(nthreads * rows * (k / 32)),
-          sums(nthreads * rows * max_span) {}
+          sums(nthreads * rows * max_span), xsums(nthreads * rows * (k / 32)), xorder(nthreads * rows * k) {}
 
     // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
@@ -188,6 +196,7 @@ struct Products {
             case ROWS_F16: rows<uint16_t, false>(W, x, y, y_stride, op); break;
             case ROWS_BF16: rows<uint16_t, true>(W, x, y, y_stride, op); break;
             case ROWS_Q8: rows_q8(W, x, y, y_stride, op); break;
+            case ROWS_Q4K: rows_q4k(W, x, y, y_stride, op); break;
         }
     }
 
@@ -303,6 +312,48 @@ struct Products {
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
         });  // implicit barrier
     }
+
+    void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+        const int64_t K = W.K, nb = K / 32, row_bytes = K / 256 * gpt2attn::Q4K_BYTES;
+        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;  // each thread its own, as rows_q8
+        float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
+        float* xsum_mine = xsums.data() + omp_get_thread_num() * B * (max_k / 32);
+        float* x_mine = xorder.data() + omp_get_thread_num() * B * max_k;
+        gpt2attn::q4k_order(x, B * K / 256, x_mine);
+        gpt2attn::quantize_q8(x_mine, B * nb, xq_mine, xs_mine);
+        gpt2attn::block_sums_q8(xq_mine, xs_mine, B * nb, xsum_mine);
+        const uint8_t* w = (const uint8_t*)W.weight;
+        float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+            const int64_t n = r1 - r0, q = n / 4;
+            float out[4];
+            for (int64_t i = 0; i < q; i++)
+                for (int64_t b = 0; b < B; b++) {
+                    dot4_q4k(xq_mine + b * K, xs_mine + b * nb, xsum_mine + b * nb, w + (r0 + i) * row_bytes,
+                             q * row_bytes, K, b == 0, out);
+                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j];
+                }
+            for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
+                for (int64_t b = 0; b < B; b++) {
+#ifdef GPT2ATTN_AVX512
+                    __m512 acc = _mm512_setzero_ps();
+#else
+                    __m256 acc = _mm256_setzero_ps();
+#endif
+                    __m256 mins = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < K / 256; j++)
+                        gpt2attn::q4k_block(w + r * row_bytes + j * gpt2attn::Q4K_BYTES, xq_mine + b * K + 256 * j,
+                                            xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc, mins);
+#ifdef GPT2ATTN_AVX512
+                    mine[b * n + r - r0] = _mm512_reduce_add_ps(acc) - hsum(mins);
+#else
+                    mine[b * n + r - r0] = hsum(acc) - hsum(mins);
+#endif
+                }
+            for (int64_t b = 0; b < B; b++)
+                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
+        });  // implicit barrier
+    }
 };
 
 // One (row, head) of a step's attention: the new key k and value v (hs) go to index pos of the
@@ -335,9 +386,9 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
 extern "C" {
 
 // y (B, N) = x (B, K) . W + bias on `threads` threads. Returns 0, or -1 (and computes nothing)
-// for a kind it does not know or an int8 matrix whose K is not a multiple of 32.
+// for a kind it does not know or a quantized matrix whose K is not a multiple of its blocks.
 int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int threads) {
-    if (!is_kind(W->kind) || (W->kind == ROWS_Q8 && W->K % 32 != 0)) return -1;
+    if (!is_kind(W->kind) || W->K % k_multiple(W->kind) != 0) return -1;
     Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K);
 #pragma omp parallel num_threads(threads)
     products.product(*W, x, y, W->N, STORE);
@@ -361,7 +412,7 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
     const Model& m = *model;
     const int64_t C = m.n_embd, nh = m.n_head, hs = C / nh, inner = m.n_inner, V = m.vocab_size;
     auto fits = [](const Matrix& w, int64_t K, int64_t N) {
-        return w.K == K && w.N == N && is_kind(w.kind) && (w.kind != ROWS_Q8 || K % 32 == 0);
+        return w.K == K && w.N == N && is_kind(w.kind) && K % k_multiple(w.kind) == 0;
     };
     bool ok = fits(m.lm_head, C, V) && m.lm_head.kind != COLS_F32 && hs * nh == C;  // the head is rows: no partials of V
     for (int64_t l = 0; l < m.n_layer; l++) {

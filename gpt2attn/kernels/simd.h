@@ -176,4 +176,123 @@ inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t
 #endif
 }
 
+// Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py): each row K/256 super-blocks of 144
+// bytes: d and dmin (fp16), twelve bytes of 6-bit scales sc and mins m (eight each, one pair per
+// sub-block of 32), 128 bytes of nibbles q (byte l of chunk c: value 64c + l low, 64c + 32 + l
+// high). Weight i of sub-block s is (d sc[s]) q[i] - (dmin m[s]).
+constexpr int64_t Q4K_BYTES = 144;
+
+// xsum[j] = xs[j] * (the sum of block j's 32 values of xq), for n_blocks blocks: what a row's
+// mins take from x (sum over a sub-block of x * min = min * xsum)
+inline void block_sums_q8(const int8_t* xq, const float* xs, int64_t n_blocks, float* xsum) {
+    for (int64_t j = 0; j < n_blocks; j++) {
+        int32_t s = 0;
+        for (int i = 0; i < 32; i++) s += xq[32 * j + i];
+        xsum[j] = xs[j] * (float)s;
+    }
+}
+
+// The order in which a q4k_block reads the eight sub-blocks of x (and their scales): on AVX-512,
+// 64 bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3
+// (5 and 7), so x's blocks are laid out in that order first (q4k_order); on AVX2, as they are.
+#ifdef GPT2ATTN_AVX512
+constexpr int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+#else
+constexpr int Q4K_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+
+// x (n_super x 256 floats) -> out, each super-block's eight blocks of 32 in Q4K_ORDER
+inline void q4k_order(const float* x, int64_t n_super, float* out) {
+    for (int64_t j = 0; j < n_super; j++)
+        for (int s = 0; s < 8; s++) memcpy(out + 256 * j + 32 * s, x + 256 * j + 32 * Q4K_ORDER[s], 32 * sizeof(float));
+}
+
+// The eight 6-bit scales (or mins) of a super-block as floats in Q4K_ORDER, from the twelve bytes at `packed`
+inline __m256 q4k_six_bits(const uint8_t* packed, bool mins) {
+    uint32_t u[3];
+    memcpy(u, packed, 12);
+    const uint32_t own = mins ? u[1] : u[0];  // bytes 0-3 (scales) or 4-7 (mins): low 6 bits, then 2 high bits
+    const uint32_t low = own & 0x3f3f3f3fu;
+    const uint32_t high = ((mins ? u[2] >> 4 : u[2]) & 0x0f0f0f0fu) | ((own >> 2) & 0x30303030u);
+    __m128i bytes = _mm_cvtsi64_si128((int64_t)(((uint64_t)high << 32) | low));
+#ifdef GPT2ATTN_AVX512
+    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // Q4K_ORDER
+#endif
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
+// One Q4_K super-block of one row times x's 256 values there (xq, its blocks in Q4K_ORDER, with
+// the block scales xs (8) and sums xsum (8) in that order too): adds the scaled products to acc
+// and the mins' part to mins (subtracted at the end). On AVX-512 each 64 bytes of levels give two
+// VNNI vpdpbusd (u8 nibbles times s8 x), of the low nibbles and of the high, each's lanes 0-7
+// summing one sub-block and 8-15 another; on AVX2 maddubs per 32.
+#ifdef GPT2ATTN_AVX512
+inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m512& acc,
+                      __m256& mins) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
+    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
+    const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs));
+    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
+    const __m512 scale16 = _mm512_castps256_ps512(scale);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const uint8_t* qs = block + 16;
+    for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
+        const __m512i raw = _mm512_loadu_si512(qs + 64 * h);
+        const __m512i dot_low = _mm512_dpbusd_epi32(zero, _mm512_and_si512(raw, low4), _mm512_loadu_si512(xq + 128 * h));
+        const __m512i dot_high = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                                     _mm512_loadu_si512(xq + 128 * h + 64));
+        const int s = 4 * h;  // in Q4K_ORDER: the low nibbles' sub-blocks at s, s + 1, the high ones' at s + 2, s + 3
+        const __m512i low_which = _mm512_set_epi32(s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s);
+        const __m512i high_which = _mm512_add_epi32(low_which, _mm512_set1_epi32(2));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low), _mm512_permutexvar_ps(low_which, scale16), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high), _mm512_permutexvar_ps(high_which, scale16), acc);
+    }
+}
+#else
+inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m256& acc,
+                      __m256& mins) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
+    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
+    alignas(32) float scale[8];
+    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs)));
+    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint8_t* qs = block + 16;
+    for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        const __m256i low = _mm256_and_si256(raw, low4), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        const __m256i dot_low = _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i*)(xq + 64 * c))), ones);
+        const __m256i dot_high = _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32))), ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), _mm256_set1_ps(scale[2 * c]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), _mm256_set1_ps(scale[2 * c + 1]), acc);
+    }
+}
+#endif
+
+// out[i] = x . w[i] for the four Q4_K rows w[i] = w0 + i * stride (bytes), x (K, a multiple of
+// 256) given as xq, xs and xsum (block_sums_q8) of x in Q4K_ORDER (q4k_order); the same sums as
+// the reference in fp32 rounding.
+inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w0, int64_t stride, int64_t K,
+                     bool prefetch, float* out) {
+    const uint8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
+#ifdef GPT2ATTN_AVX512
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#else
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#endif
+    __m256 mins[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t j = 0; j < K / 256; j++) {
+        if (prefetch)
+            for (int64_t part = 0; part < Q4K_BYTES; part += 48) prefetch4(w[0], w[1], w[2], w[3], j * Q4K_BYTES + part);
+        for (int i = 0; i < 4; i++) q4k_block(w[i] + j * Q4K_BYTES, xq + 256 * j, xs + 8 * j, xsum + 8 * j, acc[i], mins[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+#ifdef GPT2ATTN_AVX512
+        out[i] = _mm512_reduce_add_ps(acc[i]) - hsum(mins[i]);
+#else
+        out[i] = hsum(acc[i]) - hsum(mins[i]);
+#endif
+    }
+}
+
 }  // namespace gpt2attn
