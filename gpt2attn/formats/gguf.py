@@ -34,7 +34,7 @@ from ..config import LIMITS, GPT2Config, inner_dim, is_int
 from ..errors import CheckpointError
 from ..files import write_atomic
 from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
-from .state_dict import MAX_DIM_SIZE, normalize_keys
+from .state_dict import MAX_DIM_SIZE, mapped_bytes, normalize_keys
 
 NAME = "gguf"
 SUFFIXES = (".gguf",)
@@ -227,9 +227,10 @@ class GGUFFile:
             raise CheckpointError(self.path, f"tensor {name} has GGML type {kind}, which gpt2attn does not read "
                                              f"(it reads {', '.join(READ_TYPES)})")
         shape = tuple(reversed(ne))
+        if kind == "F32":  # a map of its own, so the file's other pages are not kept with it
+            with open(self.path, "rb") as f:
+                return mapped_bytes(f, start, length).view(torch.float32).view(shape)
         raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=length, offset=start)
-        if kind == "F32":
-            return raw.view(torch.float32).view(shape)
         if kind == "F16":
             return raw.view(torch.float16).view(shape).float()
         if kind == "BF16":

@@ -6,14 +6,13 @@ order: wte padded to Vp rows, wpe, then each per-layer tensor for all L layers i
 Linear weights are stored (out, in), Conv1D's transpose; the head is wte (tied). llm.c's own
 tokenizer is a separate file (gpt2_tokenizer.bin), so none is read or written here.
 
-Reading memory-maps the file: tensors are views of it (the linear weights transposed views)
-until a dtype or device change copies them.
+Reading memory-maps the file, one map per tensor (state_dict.mapped_bytes): tensors are views of
+it (the linear weights transposed views) until a dtype or device change copies them.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config
 from ..errors import CheckpointError
 from ..files import write_atomic
-from .state_dict import DTYPE_NAMES, normalize_keys
+from .state_dict import DTYPE_NAMES, mapped_bytes, normalize_keys
 
 NAME = "llmc"
 SUFFIXES = (".bin",)
@@ -123,14 +122,13 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
     """The config from the header and the state dict: memory-mapped views, wte cut back to V rows,
     linear weights transposed to Conv1D's (in, out); no lm_head (tied)."""
     dtype, sizes = read_header(path)
-    with open(path, "rb") as f:
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     state, offset = {}, HEADER_BYTES
-    for name, shape in layout(**sizes):
-        count = math.prod(shape)
-        tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
-        offset += count * dtype.itemsize
-        state[name] = tensor.t() if name.endswith(LINEARS) else tensor
+    with open(path, "rb") as f:
+        for name, shape in layout(**sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensor = mapped_bytes(f, offset, nbytes).view(dtype).view(shape)
+            offset += nbytes
+            state[name] = tensor.t() if name.endswith(LINEARS) else tensor
     state["transformer.wte.weight"] = state["transformer.wte.weight"][: sizes["V"]]  # (V, C)
     config = GPT2Config(vocab_size=sizes["V"], n_positions=sizes["maxT"], n_embd=sizes["C"], n_layer=sizes["L"],
                         n_head=sizes["H"], activation_function="gelu_new", tie_word_embeddings=True)
