@@ -344,7 +344,8 @@ def tokenizer_of(path: Path):
 def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtype: Any = None,
           tokenizer: Any = None) -> None:
     """A GGUF file of a GPT2LMHeadModel's state dict, as llama.cpp's converter writes one; dtype
-    'f32', 'f16' (default), 'bf16' or 'q8_0' for the 2-D weights. Written atomically."""
+    'f32', 'f16' (default), 'bf16' or 'q8_0' for the 2-D weights. Written atomically, and tensor by
+    tensor: each is converted just before it is written, so no converted copy of the model is held."""
     gguf = _gguf()
     path = Path(path)
     kind = "f16" if dtype is None else str(dtype).lower().replace("float32", "f32").replace("float16", "f16")
@@ -358,7 +359,6 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     state = normalize_keys(state_dict, prefixed=True)
     state.setdefault("lm_head.weight", state["transformer.wte.weight"])
     ours_to_gguf = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
-    tensors = []
     for i in range(config.n_layer):
         for theirs, ours in BLOCK_NAMES.items():
             for part in ("weight", "bias"):
@@ -369,20 +369,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     missing = [name for name in order if name not in by_gguf]
     if missing:
         raise ValueError(f"{path}: cannot write GGUF: the state dict lacks {', '.join(missing)}")
-    for name in order:
-        data = by_gguf[name].detach().to("cpu", torch.float32)
-        data = data.t() if name.endswith(LINEARS) else data  # Conv1D (in, out) -> Linear (out, in)
-        array = data.contiguous().numpy()
-        kind_here = qtype
-        if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
-                or name == "position_embd.weight":
-            kind_here = gguf.GGMLQuantizationType.F32  # as the converter keeps them
-        try:
-            stored = gguf.quants.quantize(array, kind_here)
-        except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16
-            kind_here = gguf.GGMLQuantizationType.F16
-            stored = gguf.quants.quantize(array, kind_here)
-        tensors.append((name, stored, kind_here))
+    ggml_types = {name: stored_type(gguf, name, by_gguf[name], qtype) for name in order}
 
     vocabulary = gguf_vocabulary(path, tokenizer, config) if tokenizer is not None else None
 
@@ -411,14 +398,43 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
                 writer.add_eos_token_id(eos)
                 writer.add_unk_token_id(eos)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, stored, kind_here in tensors:
-            writer.add_tensor(name, stored, raw_dtype=kind_here)
+        for name in order:  # the table of tensors first: names, shapes, types and sizes
+            shape = gguf_shape(name, by_gguf[name])
+            block, block_bytes = gguf.GGML_QUANT_SIZES[ggml_types[name]]
+            writer.add_tensor_info(name, shape, np.float32, math.prod(shape) // block * block_bytes,
+                                   raw_dtype=ggml_types[name])
         writer.fout, writer.state = [f], WriterState.EMPTY  # our file: write_atomic's temporary one
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for name in order:  # then the data, each tensor converted just before it is written
+            writer.write_tensor_data(stored_data(gguf, name, by_gguf[name], ggml_types[name]))
 
     write_atomic(path, write_file)
+
+
+def gguf_shape(name: str, tensor: Tensor) -> tuple[int, ...]:
+    """A tensor's numpy shape in the file: linear weights as Linear's (out, in)."""
+    return tuple(tensor.shape[::-1]) if name.endswith(LINEARS) else tuple(tensor.shape)
+
+
+def stored_type(gguf, name: str, tensor: Tensor, qtype):
+    """The GGML type `tensor` is written in, as llama.cpp's converter chooses: F32 for 1-D tensors,
+    norms and position embeddings; qtype for the other weights, or F16 where their rows are not a
+    multiple of qtype's block."""
+    if tensor.dim() <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
+            or name == "position_embd.weight":
+        return gguf.GGMLQuantizationType.F32
+    if gguf_shape(name, tensor)[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def stored_data(gguf, name: str, tensor: Tensor, kind) -> np.ndarray:
+    """`tensor` as its bytes in the file: float32 on the CPU, laid out as GGUF's, then converted."""
+    data = tensor.detach().to("cpu", torch.float32)
+    data = data.t() if name.endswith(LINEARS) else data  # Conv1D (in, out) -> Linear (out, in)
+    return gguf.quants.quantize(data.contiguous().numpy(), kind)
 
 
 def why_not_embedded(tokenizer) -> str | None:

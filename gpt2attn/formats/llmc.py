@@ -139,7 +139,8 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
           tokenizer: Any = None) -> None:
     """An llm.c model file of a GPT2LMHeadModel's state dict: fp32 (version 3) or bf16 (version 5;
     dtype=None keeps bf16 weights bf16, anything else is written fp32), wte padded with zero rows
-    to a multiple of 128, written atomically. A model llm.c cannot run is refused, naming the field.
+    to a multiple of 128, written atomically and tensor by tensor (each converted just before it
+    is written). A model llm.c cannot run is refused, naming the field.
     The tokenizer is not stored (llm.c keeps it in its own file)."""
     path = Path(path)
     state = normalize_keys(state_dict, prefixed=True)
@@ -155,28 +156,37 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     if stored not in VERSION_OF:
         raise ValueError(f"{path}: llm.c stores fp32 or bf16 tensors, not {dtype}")
     check_writable(path, state, config)
-    tensors = []
     for name, shape in layout(**sizes):
-        # the shape the state dict must hold: Conv1D's (in, out) for llm.c's (out, in), wte unpadded
-        expected = (V, C) if name == "transformer.wte.weight" else shape[::-1] if name.endswith(LINEARS) else shape
-        if tuple(state[name].shape) != expected:
+        if tuple(state[name].shape) != stored_shape(name, shape, V):
             raise ValueError(f"{path}: cannot write an llm.c file: {name} has shape {tuple(state[name].shape)}, "
-                             f"the config asks for {expected}")
-        tensor = state[name].detach().to("cpu", stored)
-        tensor = tensor.t() if name.endswith(LINEARS) else tensor
-        if name == "transformer.wte.weight":
-            tensor = torch.cat([tensor, tensor.new_zeros(sizes["Vp"] - V, C)])  # (Vp, C)
-        tensors.append(tensor.contiguous())
+                             f"the config asks for {stored_shape(name, shape, V)}")
     header = torch.zeros(HEADER_INTS, dtype=torch.int32)
     header[0], header[1] = MAGIC, VERSION_OF[stored]
     header[2:8] = torch.tensor(list(sizes.values()), dtype=torch.int32)
 
-    def write_file(f) -> None:
+    def write_file(f) -> None:  # tensor by tensor, each converted just before it is written
         f.write(header.numpy().tobytes())
-        for tensor in tensors:
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        for name, _ in layout(**sizes):
+            f.write(stored_data(name, state[name], stored).numpy().data)
+            if name == "transformer.wte.weight":  # padded to Vp rows with zeros
+                f.write(bytes((sizes["Vp"] - V) * C * stored.itemsize))
 
     write_atomic(path, write_file)
+
+
+def stored_data(name: str, tensor: Tensor, stored: torch.dtype) -> Tensor:
+    """`tensor` as its bytes in the file (uint8): in `stored` on the CPU, linear weights as (out, in)."""
+    tensor = tensor.detach().to("cpu", stored)
+    tensor = tensor.t() if name.endswith(LINEARS) else tensor
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def stored_shape(name: str, shape: tuple[int, ...], V: int) -> tuple[int, ...]:
+    """The shape the state dict must hold for a tensor llm.c stores as `shape`: Conv1D's (in, out)
+    for llm.c's (out, in), wte unpadded (V rows)."""
+    if name == "transformer.wte.weight":
+        return (V, shape[1])
+    return shape[::-1] if name.endswith(LINEARS) else shape
 
 
 def check_writable(path: Path, state: dict[str, Tensor], config: GPT2Config) -> None:
