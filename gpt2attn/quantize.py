@@ -11,6 +11,11 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
     bf16  the same in bfloat16 (widened by a 16-bit shift: any AVX2 CPU does it at full speed)
     int8  int8, one scale per output channel (the fp32 weight rounded to 255 levels per row)
 
+The layers are replaced one at a time, each fp32 Conv1D let go (and malloc's freed pages handed
+back) before the next is read: the model then holds `mode`'s weights and no fp32 copy of them,
+and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
+(docs/cpu-decoding.md, Memory).
+
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
 fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per token
