@@ -15,6 +15,11 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
           above) where llama.cpp's q4_K_M spends more bits (the head, attn.c_attn, mlp.c_proj in
           some blocks) and for rows Q4_K cannot hold (gpt2attn.q4_k.keeps_8_bits)
 
+The layers are replaced one at a time, each fp32 Conv1D let go (and malloc's freed pages handed
+back) before the next is read: the model then holds `mode`'s weights and no fp32 copy of them,
+and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
+(docs/cpu-decoding.md, Memory).
+
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
 fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per token
@@ -49,6 +54,8 @@ training's dtype="auto" asks; the weights-only bf16 here does not need it.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import warnings
 from pathlib import Path
 
@@ -172,7 +179,7 @@ class HalfLinear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        self.weight16 = rows.contiguous().to(self.weight_dtype)
+        self.weight16 = torch.empty(rows.shape, dtype=self.weight_dtype).copy_(rows)  # rounded as laid out: no temporary
         self.bias = bias
 
     def hf_weight(self) -> Tensor:
@@ -198,7 +205,8 @@ class Int8Linear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         weight = weight.t() if self.conv else weight  # (out, in)
-        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
+        absmax = torch.linalg.vector_norm(weight, float("inf"), dim=1)  # max |w| per row, no |w| copy
+        scale = (absmax / 127).clamp(min=1e-12).double()  # (out,)
         zero = torch.zeros(weight.size(0), dtype=torch.long)
         with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
             warnings.simplefilter("ignore", UserWarning)
@@ -278,10 +286,14 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     n_layer = getattr(getattr(model, "config", None), "n_layer", 0)
-    for name, module in list(model.named_modules()):
+    # names, not modules: a list of the old layers would keep every fp32 weight alive to the end
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, Conv1D) or (name.endswith("lm_head") and isinstance(module, nn.Linear))]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, child)
         conv = isinstance(module, Conv1D)
-        if not (conv or (name.endswith("lm_head") and isinstance(module, nn.Linear))):
-            continue
         tied = not conv and wte is not None and module.weight is wte.weight
         if mode == "fp32":
             layer = Float32Linear(module.weight, module.bias, conv)
@@ -292,9 +304,27 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
             layer = Q4Linear(module.weight, module.bias, conv, tied)
         else:
             layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer.train(module.training))
+        setattr(parent, child, layer.train(module.training))
+        del module  # the fp32 layer's last reference: its weight (and a file's pages under it) go now
+        release_free_memory()  # and the temporaries' pages, before the next layer's are taken
     return model
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): the fp32 weights and
+    the temporaries quantize() frees are otherwise kept by malloc for reuse, and counted in the
+    process's resident memory. A no-op where the C library has no malloc_trim."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:  # Windows: no process-wide C library handle
+        return None
 
 
 def kernels(model: nn.Module) -> dict[str, str]:

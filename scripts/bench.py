@@ -1,6 +1,6 @@
 """Benchmarks against transformers: `python scripts/bench.py NAME [options]`.
 
-NAME is one of forward, load, generate, decode, train, recipe, explore; each lives in scripts/bench_NAME.py
+NAME is one of forward, load, generate, decode, train, recipe, explore, memory; each lives in scripts/bench_NAME.py
 (`generate --llama-cpp PATH` is `decode --llama-cpp PATH`: CPU decoding against llama.cpp),
 prints its figures and the ratios, and returns its table rows. This script writes those rows with
 the date, the machine (CPU model and flags, cores, threads), torch's version and the command to
@@ -17,7 +17,7 @@ import sys
 
 from bench_common import write_results
 
-BENCHES = ("forward", "load", "generate", "decode", "train", "recipe", "explore")
+BENCHES = ("forward", "load", "generate", "decode", "train", "recipe", "explore", "memory")
 
 
 def main(argv: list[str]) -> int:

@@ -35,7 +35,7 @@ from ..errors import CheckpointError
 from ..files import write_atomic
 from ..q4_k import keeps_8_bits, quantize_rows
 from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
-from .state_dict import MAX_DIM_SIZE, normalize_keys
+from .state_dict import MAX_DIM_SIZE, mapped_bytes, normalize_keys
 
 NAME = "gguf"
 SUFFIXES = (".gguf",)
@@ -229,9 +229,10 @@ class GGUFFile:
             raise CheckpointError(self.path, f"tensor {name} has GGML type {kind}, which gpt2attn does not read "
                                              f"(it reads {', '.join(READ_TYPES)})")
         shape = tuple(reversed(ne))
+        if kind == "F32":  # a map of its own, so the file's other pages are not kept with it
+            with open(self.path, "rb") as f:
+                return mapped_bytes(f, start, length).view(torch.float32).view(shape)
         raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=length, offset=start)
-        if kind == "F32":
-            return raw.view(torch.float32).view(shape)
         if kind == "F16":
             return raw.view(torch.float16).view(shape).float()
         if kind == "BF16":
@@ -346,7 +347,8 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
           tokenizer: Any = None) -> None:
     """A GGUF file of a GPT2LMHeadModel's state dict, as llama.cpp's converter writes one; dtype
     'f32', 'f16' (default), 'bf16', 'q8_0' or 'q4' (quantize()'s mode: Q4_K blocks, Q8_0 for the
-    matrices it keeps in 8 bits) for the 2-D weights. Written atomically."""
+    matrices it keeps in 8 bits) for the 2-D weights. Written atomically, and tensor by tensor: each
+    is converted just before it is written, so no converted copy of the model is held."""
     gguf = _gguf()
     path = Path(path)
     kind = "f16" if dtype is None else str(dtype).lower().replace("float32", "f32").replace("float16", "f16")
@@ -360,7 +362,6 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     state = normalize_keys(state_dict, prefixed=True)
     state.setdefault("lm_head.weight", state["transformer.wte.weight"])
     ours_to_gguf = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
-    tensors = []
     for i in range(config.n_layer):
         for theirs, ours in BLOCK_NAMES.items():
             for part in ("weight", "bias"):
@@ -368,32 +369,12 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     order = ["token_embd.weight", "position_embd.weight"] + [f"blk.{i}.{n}.{p}" for i in range(config.n_layer)
              for n in BLOCK_NAMES for p in ("weight", "bias")] + ["output_norm.weight", "output_norm.bias", "output.weight"]
     by_gguf = {ours_to_gguf[k]: v for k, v in state.items() if k in ours_to_gguf}
-    gguf_to_ours = {theirs: ours for ours, theirs in ours_to_gguf.items()}
     missing = [name for name in order if name not in by_gguf]
     if missing:
         raise ValueError(f"{path}: cannot write GGUF: the state dict lacks {', '.join(missing)}")
-    for name in order:
-        data = by_gguf[name].detach().to("cpu", torch.float32)
-        data = data.t() if name.endswith(LINEARS) else data  # Conv1D (in, out) -> Linear (out, in)
-        array = data.contiguous().numpy()
-        kind_here = qtype
-        if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
-                or name == "position_embd.weight":
-            kind_here = gguf.GGMLQuantizationType.F32  # as the converter keeps them
-        if kind == "q4" and kind_here == qtype:  # Q4_K as quantize("q4") holds it, else Q8_0 where it keeps 8 bits
-            # (token_embd: the tied head's); llama.cpp's file type for this mix is MOSTLY_Q4_K_M (15)
-            matrix = gguf_to_ours[name].removesuffix(".weight") if name != "token_embd.weight" else "lm_head"
-            if keeps_8_bits(matrix, array.shape[1], config.n_layer):
-                kind_here = gguf.GGMLQuantizationType.Q8_0
-            else:
-                tensors.append((name, quantize_rows(torch.from_numpy(array)).numpy(), kind_here))
-                continue
-        try:
-            stored = gguf.quants.quantize(array, kind_here)
-        except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16
-            kind_here = gguf.GGMLQuantizationType.F16
-            stored = gguf.quants.quantize(array, kind_here)
-        tensors.append((name, stored, kind_here))
+    gguf_to_ours = {theirs: ours for ours, theirs in ours_to_gguf.items()}
+    ggml_types = {name: stored_type(gguf, name, by_gguf[name], qtype, gguf_to_ours[name], config.n_layer)
+                  for name in order}
 
     vocabulary = gguf_vocabulary(path, tokenizer, config) if tokenizer is not None else None
 
@@ -422,14 +403,50 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
                 writer.add_eos_token_id(eos)
                 writer.add_unk_token_id(eos)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, stored, kind_here in tensors:
-            writer.add_tensor(name, stored, raw_dtype=kind_here)
+        for name in order:  # the table of tensors first: names, shapes, types and sizes
+            shape = gguf_shape(name, by_gguf[name])
+            block, block_bytes = gguf.GGML_QUANT_SIZES[ggml_types[name]]
+            writer.add_tensor_info(name, shape, np.float32, math.prod(shape) // block * block_bytes,
+                                   raw_dtype=ggml_types[name])
         writer.fout, writer.state = [f], WriterState.EMPTY  # our file: write_atomic's temporary one
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for name in order:  # then the data, each tensor converted just before it is written
+            writer.write_tensor_data(stored_data(gguf, name, by_gguf[name], ggml_types[name]))
 
     write_atomic(path, write_file)
+
+
+def gguf_shape(name: str, tensor: Tensor) -> tuple[int, ...]:
+    """A tensor's numpy shape in the file: linear weights as Linear's (out, in)."""
+    return tuple(tensor.shape[::-1]) if name.endswith(LINEARS) else tuple(tensor.shape)
+
+
+def stored_type(gguf, name: str, tensor: Tensor, qtype, ours: str, n_layer: int):
+    """The GGML type `tensor` (ours: its name in our state dict) is written in, as llama.cpp's
+    converter chooses: F32 for 1-D tensors, norms and position embeddings; qtype for the other
+    weights, or F16 where their rows are not a multiple of qtype's block. Q4_K (quantize()'s 'q4')
+    keeps the matrices that mode holds in 8 bits as Q8_0 (token_embd: the tied head's)."""
+    if tensor.dim() <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
+            or name == "position_embd.weight":
+        return gguf.GGMLQuantizationType.F32
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        matrix = "lm_head" if name == "token_embd.weight" else ours.removesuffix(".weight")
+        if keeps_8_bits(matrix, gguf_shape(name, tensor)[-1], n_layer):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+    if gguf_shape(name, tensor)[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def stored_data(gguf, name: str, tensor: Tensor, kind) -> np.ndarray:
+    """`tensor` as its bytes in the file: float32 on the CPU, laid out as GGUF's, then converted."""
+    data = tensor.detach().to("cpu", torch.float32)
+    data = data.t() if name.endswith(LINEARS) else data  # Conv1D (in, out) -> Linear (out, in)
+    if kind == gguf.GGMLQuantizationType.Q4_K:  # the blocks quantize("q4") holds (our own scale search)
+        return quantize_rows(data.contiguous()).numpy()
+    return gguf.quants.quantize(data.contiguous().numpy(), kind)
 
 
 def why_not_embedded(tokenizer) -> str | None:

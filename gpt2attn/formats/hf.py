@@ -1,7 +1,8 @@
 """Hugging Face's format: a model folder (config.json + model.safetensors, sharded safetensors with
 an index, or pytorch_model.bin), or a single .safetensors / .bin weights file.
 
-Reading memory-maps safetensors files: their tensors are views of the file until used. Writing
+Reading memory-maps safetensors files, one map per tensor: each is a view of the file until used,
+and its pages leave memory with it. Writing
 (save_pretrained, write) replaces the model files of a folder in one step (files.py's
 replace_folder) and keeps the folder's other files (tokenizer, README).
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 from collections.abc import Callable
@@ -26,7 +26,7 @@ from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
 from ..layers import ACTIVATIONS
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
-from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, read_bin, resolve_dtype
+from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, mapped_bytes, read_bin, resolve_dtype
 
 NAME = "hf"
 SUFFIXES = ("",)  # a folder: convert writes one for any destination without another format's suffix
@@ -138,8 +138,9 @@ def check_shard(where: str, name: str, shard: dict[str, Tensor], weight_map: dic
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """Tensors of a .safetensors file as views of a (copy-on-write) memory map: nothing is
-    copied until a tensor is used or converted. The header is checked as the format requires."""
+    """Tensors of a .safetensors file, each a view of its own (copy-on-write) memory map
+    (state_dict.mapped_bytes): nothing is read until a tensor is used, and a tensor's pages go
+    when it does. The header is checked as the format requires."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size < 8:
@@ -150,15 +151,8 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
         header = read_json(f.read(header_len), path, "corrupt safetensors header")
         data_start = 8 + header_len
         entries = check_safetensors_header(path, header, size - data_start)
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > data_start else b""
-    state = {}
-    for name, dtype, shape, begin, end in entries:
-        if end == begin:
-            state[name] = torch.empty(shape, dtype=dtype)
-        else:
-            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-            state[name] = flat.view(dtype).view(shape)
-    return state
+        return {name: mapped_bytes(f, data_start + begin, end - begin).view(dtype).view(shape)
+                for name, dtype, shape, begin, end in entries}
 
 
 def check_safetensors_header(path: Path, header: Any, data_size: int) -> list[tuple]:

@@ -6,14 +6,13 @@ order: wte padded to Vp rows, wpe, then each per-layer tensor for all L layers i
 Linear weights are stored (out, in), Conv1D's transpose; the head is wte (tied). llm.c's own
 tokenizer is a separate file (gpt2_tokenizer.bin), so none is read or written here.
 
-Reading memory-maps the file: tensors are views of it (the linear weights transposed views)
-until a dtype or device change copies them.
+Reading memory-maps the file, one map per tensor (state_dict.mapped_bytes): tensors are views of
+it (the linear weights transposed views) until a dtype or device change copies them.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config
 from ..errors import CheckpointError
 from ..files import write_atomic
-from .state_dict import DTYPE_NAMES, normalize_keys
+from .state_dict import DTYPE_NAMES, mapped_bytes, normalize_keys
 
 NAME = "llmc"
 SUFFIXES = (".bin",)
@@ -123,14 +122,13 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
     """The config from the header and the state dict: memory-mapped views, wte cut back to V rows,
     linear weights transposed to Conv1D's (in, out); no lm_head (tied)."""
     dtype, sizes = read_header(path)
-    with open(path, "rb") as f:
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     state, offset = {}, HEADER_BYTES
-    for name, shape in layout(**sizes):
-        count = math.prod(shape)
-        tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
-        offset += count * dtype.itemsize
-        state[name] = tensor.t() if name.endswith(LINEARS) else tensor
+    with open(path, "rb") as f:
+        for name, shape in layout(**sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            tensor = mapped_bytes(f, offset, nbytes).view(dtype).view(shape)
+            offset += nbytes
+            state[name] = tensor.t() if name.endswith(LINEARS) else tensor
     state["transformer.wte.weight"] = state["transformer.wte.weight"][: sizes["V"]]  # (V, C)
     config = GPT2Config(vocab_size=sizes["V"], n_positions=sizes["maxT"], n_embd=sizes["C"], n_layer=sizes["L"],
                         n_head=sizes["H"], activation_function="gelu_new", tie_word_embeddings=True)
@@ -141,7 +139,8 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
           tokenizer: Any = None) -> None:
     """An llm.c model file of a GPT2LMHeadModel's state dict: fp32 (version 3) or bf16 (version 5;
     dtype=None keeps bf16 weights bf16, anything else is written fp32), wte padded with zero rows
-    to a multiple of 128, written atomically. A model llm.c cannot run is refused, naming the field.
+    to a multiple of 128, written atomically and tensor by tensor (each converted just before it
+    is written). A model llm.c cannot run is refused, naming the field.
     The tokenizer is not stored (llm.c keeps it in its own file)."""
     path = Path(path)
     state = normalize_keys(state_dict, prefixed=True)
@@ -157,28 +156,37 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     if stored not in VERSION_OF:
         raise ValueError(f"{path}: llm.c stores fp32 or bf16 tensors, not {dtype}")
     check_writable(path, state, config)
-    tensors = []
     for name, shape in layout(**sizes):
-        # the shape the state dict must hold: Conv1D's (in, out) for llm.c's (out, in), wte unpadded
-        expected = (V, C) if name == "transformer.wte.weight" else shape[::-1] if name.endswith(LINEARS) else shape
-        if tuple(state[name].shape) != expected:
+        if tuple(state[name].shape) != stored_shape(name, shape, V):
             raise ValueError(f"{path}: cannot write an llm.c file: {name} has shape {tuple(state[name].shape)}, "
-                             f"the config asks for {expected}")
-        tensor = state[name].detach().to("cpu", stored)
-        tensor = tensor.t() if name.endswith(LINEARS) else tensor
-        if name == "transformer.wte.weight":
-            tensor = torch.cat([tensor, tensor.new_zeros(sizes["Vp"] - V, C)])  # (Vp, C)
-        tensors.append(tensor.contiguous())
+                             f"the config asks for {stored_shape(name, shape, V)}")
     header = torch.zeros(HEADER_INTS, dtype=torch.int32)
     header[0], header[1] = MAGIC, VERSION_OF[stored]
     header[2:8] = torch.tensor(list(sizes.values()), dtype=torch.int32)
 
-    def write_file(f) -> None:
+    def write_file(f) -> None:  # tensor by tensor, each converted just before it is written
         f.write(header.numpy().tobytes())
-        for tensor in tensors:
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        for name, _ in layout(**sizes):
+            f.write(stored_data(name, state[name], stored).numpy().data)
+            if name == "transformer.wte.weight":  # padded to Vp rows with zeros
+                f.write(bytes((sizes["Vp"] - V) * C * stored.itemsize))
 
     write_atomic(path, write_file)
+
+
+def stored_data(name: str, tensor: Tensor, stored: torch.dtype) -> Tensor:
+    """`tensor` as its bytes in the file (uint8): in `stored` on the CPU, linear weights as (out, in)."""
+    tensor = tensor.detach().to("cpu", stored)
+    tensor = tensor.t() if name.endswith(LINEARS) else tensor
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def stored_shape(name: str, shape: tuple[int, ...], V: int) -> tuple[int, ...]:
+    """The shape the state dict must hold for a tensor llm.c stores as `shape`: Conv1D's (in, out)
+    for llm.c's (out, in), wte unpadded (V rows)."""
+    if name == "transformer.wte.weight":
+        return (V, shape[1])
+    return shape[::-1] if name.endswith(LINEARS) else shape
 
 
 def check_writable(path: Path, state: dict[str, Tensor], config: GPT2Config) -> None:

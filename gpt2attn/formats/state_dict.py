@@ -1,15 +1,17 @@
 """What the formats share: GPT-2 state dicts with Hugging Face's keys, and PyTorch's pickle files.
 
 normalize_keys fits a state dict's names to a model class, infer_config reads a config from its
-shapes, and torch_load is torch.load restricted to weights (errors name the file).
+shapes, torch_load is torch.load restricted to weights (errors name the file), and mapped_bytes
+memory-maps one tensor of a file.
 """
 
 from __future__ import annotations
 
+import mmap
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -97,6 +99,19 @@ def infer_config(state: dict[str, Tensor], where: str | Path = "state dict") -> 
         )
     except ValueError as e:
         raise CheckpointError(where, f"the config its shapes give: {e}") from None
+
+
+def mapped_bytes(f: BinaryIO, start: int, length: int) -> Tensor:
+    """`length` bytes of the open file f from byte `start`, as a uint8 tensor over a private
+    (copy-on-write) memory map of their own. Nothing is read until a page is used, and the pages
+    leave this process's memory when the last tensor viewing them is freed: one map per tensor,
+    so that a model whose fp32 weights are replaced one by one (quantize) gives each back as it
+    goes, where one map of the whole file would keep every page it ever read."""
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    base = start - start % mmap.ALLOCATIONGRANULARITY  # a map starts on a page
+    buffer = mmap.mmap(f.fileno(), start + length - base, access=mmap.ACCESS_COPY, offset=base)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=length, offset=start - base)
 
 
 def read_bin(path: Path) -> dict[str, Any]:
