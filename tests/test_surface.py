@@ -314,9 +314,12 @@ def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(
     base = ours(ids).logits
     ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
                                      init_lora_weights=False))
+    ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"], modules_to_save=["lm_head"], init_lora_weights=False),
+                     adapter_name="two")
     assert max_diff(ours(ids).logits, base) > 1e-2
-    ours.delete_adapter("default")
+    ours.delete_adapter(["default", "two"])  # a list: both go, the last one with them
     assert not hasattr(ours, "peft_config") and list(ours.state_dict()) == keys
+    assert ours._hf_peft_config_loaded is False  # as transformers leaves it
     assert max_diff(ours(ids).logits, base) == 0
     ours.save_pretrained(tmp_path)  # the whole model again, not an adapter
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -339,6 +342,26 @@ def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, tra
     assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
     lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
     assert lora and all(g is trainable for g in lora)
+
+
+@pytest.mark.slow
+def test_load_adapter_asks_the_hub_unless_told_not_to(monkeypatch):
+    """local_files_only defaults to False, as in transformers: a hub name is looked up online (PEFT's
+    loader stands in for the hub here, recording what it is asked)."""
+    peft = pytest.importorskip("peft")
+    asked = []
+
+    def from_pretrained(name, **options):
+        asked.append((name, options))
+        raise OSError("stand-in hub")
+
+    monkeypatch.setattr(peft.PeftConfig, "from_pretrained", from_pretrained)
+    ours, _ = twins()
+    for kwargs in ({}, {"local_files_only": True}, {"adapter_kwargs": {"revision": "v2"}}):
+        with pytest.raises(OSError, match="stand-in hub"):
+            ours.load_adapter("someone/adapter", **kwargs)
+    assert asked == [("someone/adapter", {"local_files_only": False}), ("someone/adapter", {"local_files_only": True}),
+                     ("someone/adapter", {"local_files_only": False, "revision": "v2"})]
 
 
 @pytest.mark.slow
