@@ -338,7 +338,7 @@ def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, tra
     fresh, _ = twins()
     fresh.train()
     fresh.load_adapter(tmp_path, is_trainable=trainable)
-    assert fresh.peft_config["default"].inference_mode is not trainable
+    assert fresh.peft_config["default"].inference_mode is (not trainable)
     assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
     lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
     assert lora and all(g is trainable for g in lora)
@@ -362,6 +362,29 @@ def test_load_adapter_asks_the_hub_unless_told_not_to(monkeypatch):
             ours.load_adapter("someone/adapter", **kwargs)
     assert asked == [("someone/adapter", {"local_files_only": False}), ("someone/adapter", {"local_files_only": True}),
                      ("someone/adapter", {"local_files_only": False, "revision": "v2"})]
+
+
+@pytest.mark.slow
+def test_adapter_weights_are_read_onto_the_cpu_and_unknown_options_named(tmp_path, monkeypatch):
+    """Whatever device PEFT's loader would pick by itself (a GPU where there is one: a stand-in
+    device here), the adapter's weights are read onto the CPU, beside the model's."""
+    peft = pytest.importorskip("peft")
+    import peft.utils.save_and_load as peft_loading
+
+    ours, _ = twins()
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    ours.save_pretrained(tmp_path)
+    monkeypatch.setattr(peft_loading, "infer_device", lambda: "meta")
+    fresh, _ = twins()
+    fresh.load_adapter(tmp_path)
+    want, got = ours.get_adapter_state_dict(), fresh.get_adapter_state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(TypeError) as err:
+        fresh.load_adapter(tmp_path, adapter_name="two", token="x", device_map="auto")
+    assert str(err.value) == "load_adapter got ['device_map', 'token'], which gpt2attn does not take"
+    with pytest.raises(TypeError) as err:
+        fresh.load_adapter(tmp_path, adapter_name="two", load_config=object())
+    assert str(err.value) == "load_adapter got ['load_config'], which gpt2attn does not take"
 
 
 @pytest.mark.slow
