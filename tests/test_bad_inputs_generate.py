@@ -36,6 +36,8 @@ CASES = [
     ("stream with beams", dict(num_beams=2, stream=True), ValueError, "not with beam search"),
     ("stop strings without tokenizer", dict(stop_strings=["\n"]), ValueError, "pass tokenizer=..."),
     ("assisted with sampling", dict(prompt_lookup_num_tokens=3, do_sample=True), ValueError, "greedy only"),
+    ("assisted with beams", dict(prompt_lookup_num_tokens=3, num_beams=2), ValueError,
+     "assisted decoding (assistant_model / prompt_lookup_num_tokens) is greedy only: do_sample=False, num_beams=1"),
     ("assisted on a batch", dict(input_ids=PADDED, prompt_lookup_num_tokens=3), ValueError,
      "assisted decoding takes one prompt of input_ids (batch size 1), without inputs_embeds, token_type_ids or "
      "past_key_values"),
@@ -62,6 +64,23 @@ def test_bad_request_names_the_problem(model, name, kwargs, exc, fragment):
     with pytest.raises(exc) as info:
         model.generate(ids, **kwargs)
     assert fragment in str(info.value)
+
+
+def test_assisted_decoding_refuses_what_it_cannot_do_by_name(model):
+    def refused(**kwargs):
+        with pytest.raises(ValueError) as info:
+            model.generate(kwargs.pop("input_ids", IDS), max_new_tokens=2, **kwargs)
+        return str(info.value)
+
+    assert refused(assistant_model=model, prompt_lookup_num_tokens=3) == (
+        "pass assistant_model or prompt_lookup_num_tokens, not both")
+    assert refused(input_ids=PADDED[:1], attention_mask=torch.tensor([[0, 1, 1]]), prompt_lookup_num_tokens=3) == (
+        "assisted decoding takes one unpadded prompt")
+    other = GPT2LMHeadModel(tiny_config(vocab_size=98)).eval()
+    assert refused(assistant_model=other) == (
+        "assistant_model has vocab_size 98, the model 97: they must share the vocabulary")
+    assert refused(prompt_lookup_num_tokens=3, return_dict_in_generate=True) == (
+        "assisted decoding returns the sequences only (return_dict_in_generate=False)")
 
 
 def test_a_row_of_padding_only_is_an_error(model):
