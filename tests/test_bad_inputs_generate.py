@@ -83,6 +83,21 @@ def test_assisted_decoding_refuses_what_it_cannot_do_by_name(model):
         "assisted decoding returns the sequences only (return_dict_in_generate=False)")
 
 
+def test_messages_in_full(model):
+    """The whole sentence of refusals whose rows above check a fragment."""
+    def refused(exc, ids, **kwargs):
+        with pytest.raises(exc) as info:
+            model.generate(ids, max_new_tokens=2, **kwargs)
+        return str(info.value)
+
+    assert refused(ValueError, None, bos_token_id=None) == (
+        "generate() needs input_ids or inputs_embeds (or a bos_token_id to start from)")
+    assert refused(ValueError, torch.zeros(2, 0, dtype=torch.long)) == (
+        "input_ids must hold at least one token, got shape (2, 0)")
+    assert refused(TypeError, IDS, stopping_criteria=[len, "eos"]) == (
+        "stopping_criteria must be a StoppingCriteriaList or a list of callables (sequences, scores) -> bool per row")
+
+
 def test_a_row_of_padding_only_is_an_error(model):
     with pytest.raises(ValueError, match=r"attention_mask rows \[0\] are all padding"):
         model.generate(PADDED, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]))
