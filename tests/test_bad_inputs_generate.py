@@ -94,8 +94,31 @@ def test_messages_in_full(model):
         "generate() needs input_ids or inputs_embeds (or a bos_token_id to start from)")
     assert refused(ValueError, torch.zeros(2, 0, dtype=torch.long)) == (
         "input_ids must hold at least one token, got shape (2, 0)")
+    assert refused(ValueError, IDS, token_type_ids=[[1, 2, 3]]) == (
+        "token_type_ids must have the shape of the prompt, got [[1, 2, 3]]")
     assert refused(TypeError, IDS, stopping_criteria=[len, "eos"]) == (
         "stopping_criteria must be a StoppingCriteriaList or a list of callables (sequences, scores) -> bool per row")
+
+
+def test_a_mask_is_inferred_from_pad_ids_unless_pad_is_eos(model):
+    """As transformers: with no attention_mask, prompt tokens equal to pad_token_id are padding, unless
+    pad is also an eos id (then they may be real text)."""
+    masked = model.generate(PADDED, attention_mask=(PADDED != 0).long(), max_new_tokens=4, pad_token_id=0,
+                            eos_token_id=96)
+    unmasked = model.generate(PADDED, attention_mask=torch.ones_like(PADDED), max_new_tokens=4, pad_token_id=0,
+                              eos_token_id=96)
+    assert not torch.equal(masked, unmasked)  # the mask matters for this prompt
+    assert torch.equal(model.generate(PADDED, max_new_tokens=4, pad_token_id=0, eos_token_id=96), masked)
+    assert torch.equal(model.generate(PADDED, max_new_tokens=4, pad_token_id=0, eos_token_id=[96, 0]), unmasked)
+
+
+def test_token_types_go_with_inputs_embeds_as_with_ids(model):
+    types = torch.tensor([[3, 4, 4]])
+    with_ids = model.generate(IDS, token_type_ids=types, max_new_tokens=4, eos_token_id=None)
+    embeds = model.transformer.wte(IDS).detach()
+    with_embeds = model.generate(inputs_embeds=embeds, token_type_ids=types, max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(with_embeds, with_ids[:, 3:])
+    assert not torch.equal(with_ids, model.generate(IDS, max_new_tokens=4, eos_token_id=None))  # the types count
 
 
 def test_a_row_of_padding_only_is_an_error(model):
