@@ -9,7 +9,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.errors import CheckpointError
 from gpt2attn.generation.config import GenerationConfig, as_generation_config, save_generation_config
-from helpers import tiny_config
+from helpers import randomize, tiny_config
 
 IDS = torch.tensor([[5, 6, 7]])
 PADDED = torch.tensor([[0, 5, 6], [4, 5, 6]])
@@ -100,19 +100,21 @@ def test_messages_in_full(model):
         "stopping_criteria must be a StoppingCriteriaList or a list of callables (sequences, scores) -> bool per row")
 
 
-def test_a_mask_is_inferred_from_pad_ids_unless_pad_is_eos(model):
+def test_a_mask_is_inferred_from_pad_ids_unless_pad_is_eos():
     """As transformers: with no attention_mask, prompt tokens equal to pad_token_id are padding, unless
     pad is also an eos id (then they may be real text)."""
-    masked = model.generate(PADDED, attention_mask=(PADDED != 0).long(), max_new_tokens=4, pad_token_id=0,
-                            eos_token_id=96)
-    unmasked = model.generate(PADDED, attention_mask=torch.ones_like(PADDED), max_new_tokens=4, pad_token_id=0,
-                              eos_token_id=96)
-    assert not torch.equal(masked, unmasked)  # the mask matters for this prompt
-    assert torch.equal(model.generate(PADDED, max_new_tokens=4, pad_token_id=0, eos_token_id=96), masked)
-    assert torch.equal(model.generate(PADDED, max_new_tokens=4, pad_token_id=0, eos_token_id=[96, 0]), unmasked)
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=3).eval()
+    ones = torch.ones_like(PADDED)
+    for eos in (96, [96, 0]):
+        kw = dict(max_new_tokens=4, pad_token_id=0, eos_token_id=eos)
+        masked = model.generate(PADDED, attention_mask=(PADDED != 0).long(), **kw)
+        unmasked = model.generate(PADDED, attention_mask=ones, **kw)
+        assert not torch.equal(masked, unmasked)  # the mask matters for this prompt
+        assert torch.equal(model.generate(PADDED, **kw), masked if eos == 96 else unmasked)
 
 
-def test_token_types_go_with_inputs_embeds_as_with_ids(model):
+def test_token_types_go_with_inputs_embeds_as_with_ids():
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=3).eval()
     types = torch.tensor([[3, 4, 4]])
     with_ids = model.generate(IDS, token_type_ids=types, max_new_tokens=4, eos_token_id=None)
     embeds = model.transformer.wte(IDS).detach()
