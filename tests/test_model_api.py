@@ -422,6 +422,18 @@ def test_library_code_reads_outputs_whatever_config_return_dict_says():
     assert compare(model, twin, ids).passed
 
 
+def test_init_weights_draws_every_weight_afresh_and_ties_the_head():
+    config = tiny_config(initializer_range=0.02)
+    model = randomize(GPT2LMHeadModel(config))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    model.init_weights()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    block = model.transformer.h[0]
+    assert torch.equal(block.ln_1.weight, torch.ones(config.n_embd)) and not block.ln_1.bias.any()
+    assert not block.attn.c_attn.bias.any() and not block.mlp.c_fc.bias.any()
+    assert 0.015 < float(block.mlp.c_fc.weight.std()) < 0.025  # N(0, initializer_range)
+
+
 def test_memory_footprint_buffers_one_token_vocabulary_and_fused_adamw():
     """Edges of the PreTrainedModel helpers, found by mutation testing."""
     model = GPT2LMHeadModel(tiny_config())
