@@ -111,6 +111,27 @@ def test_bridge_table_and_errors():
     assert str(err.value) == f"no bridge for Linear; bridged classes: {', '.join(BRIDGED)}"
 
 
+def test_the_bridge_takes_the_attention_backend_asked_for():
+    ours = GPT2LMHeadModel(tiny_config())
+    for name in ("eager", "sdpa"):
+        assert ours.to_transformers(attn_implementation=name).config._attn_implementation == name
+
+
+def test_parameters_the_two_models_do_not_share_or_hold_in_other_shapes_are_named():
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(tiny_config().to_dict()))
+    hf.transformer.h[0].ln_1.bias = None  # one ours has that transformers' lacks
+    hf.extra = torch.nn.Parameter(torch.zeros(1))  # and one the other way round
+    with pytest.raises(ValueError) as err:
+        GPT2LMHeadModel.from_transformers(hf)
+    assert str(err.value) == ("GPT2LMHeadModel -> GPT2LMHeadModel: names differ "
+                              "(missing ['transformer.h.0.ln_1.bias'], extra ['extra'])")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_dict(tiny_config().to_dict()))
+    hf.transformer.ln_f.weight = torch.nn.Parameter(torch.ones(5))
+    with pytest.raises(ValueError) as err:
+        GPT2LMHeadModel.from_transformers(hf)
+    assert str(err.value) == f"transformer.ln_f.weight: shape (5,), expected ({tiny_config().n_embd},)"
+
+
 def test_a_buffer_the_bridge_cannot_fill_is_named():
     from gpt2attn.bridge import _share_parameters
 

@@ -45,6 +45,18 @@ def test_input_ids_and_their_embeddings_give_the_ids_then_the_new_tokens(models)
         model.generate(prompt[:, :4], inputs_embeds=embeds, max_new_tokens=8)
 
 
+def test_inputs_embeds_with_beams_and_several_sequences_as_transformers(models):
+    """Each embedded prompt is repeated per beam / returned sequence, as its ids would be."""
+    model, hf = models
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(6))
+    embeds = model.transformer.wte(prompt).detach() + 0.01
+    for kw in (dict(num_beams=2), dict(num_beams=3, num_return_sequences=2)):
+        kw = dict(kw, max_new_tokens=6, eos_token_id=None)
+        ours = model.generate(inputs_embeds=embeds, **kw)
+        assert ours.shape == (2 * kw.get("num_return_sequences", 1), 6)
+        assert torch.equal(ours, hf.generate(inputs_embeds=embeds, **kw)), kw
+
+
 def test_left_padded_batch_equals_each_prompt_alone(models):
     model, hf = models
     g = torch.Generator().manual_seed(3)

@@ -422,6 +422,34 @@ def test_library_code_reads_outputs_whatever_config_return_dict_says():
     assert compare(model, twin, ids).passed
 
 
+def test_resizing_keeps_dtype_and_device_and_the_config_names_the_model(tmp_path):
+    """Resized rows stay in the model's dtype (bf16 here) and on its device (meta here: a model built
+    before its weights are loaded); name_or_path comes from the config; from_pretrained's device is used."""
+    model = GPT2LMHeadModel(tiny_config(tie_word_embeddings=False)).to(torch.bfloat16)
+    model.resize_token_embeddings(101)
+    assert model.transformer.wte.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(tiny_config(tie_word_embeddings=False))
+    model.resize_token_embeddings(100, mean_resizing=False)
+    assert model.transformer.wte.weight.is_meta and model.lm_head.weight.is_meta
+    assert model.lm_head.weight.shape == (100, model.config.n_embd)
+    assert GPT2LMHeadModel(tiny_config(name_or_path="someone/base")).name_or_path == "someone/base"
+    GPT2LMHeadModel(tiny_config()).save_pretrained(tmp_path)
+    assert GPT2LMHeadModel.from_pretrained(tmp_path, device="meta").device.type == "meta"
+
+
+def test_init_weights_draws_every_weight_afresh_and_ties_the_head():
+    config = tiny_config(initializer_range=0.02)
+    model = randomize(GPT2LMHeadModel(config))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    model.init_weights()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    block = model.transformer.h[0]
+    assert torch.equal(block.ln_1.weight, torch.ones(config.n_embd)) and not block.ln_1.bias.any()
+    assert not block.attn.c_attn.bias.any() and not block.mlp.c_fc.bias.any()
+    assert 0.015 < float(block.mlp.c_fc.weight.std()) < 0.025  # N(0, initializer_range)
+
+
 def test_memory_footprint_buffers_one_token_vocabulary_and_fused_adamw():
     """Edges of the PreTrainedModel helpers, found by mutation testing."""
     model = GPT2LMHeadModel(tiny_config())

@@ -156,6 +156,9 @@ def test_model_parts_tags_and_dummy_inputs_as_transformers():
     ours, theirs = twins()
     assert ours.get_decoder() is ours.transformer and type(theirs.get_decoder()).__name__ == "GPT2Model"
     assert ours.get_encoder() is ours and theirs.get_encoder() is theirs
+    assert ours.get_encoder("text") is ours
+    with pytest.raises(ValueError, match=r"^modality='image': GPT-2 reads text only$"):
+        ours.get_encoder("image")
     assert torch.equal(ours.dummy_inputs["input_ids"], theirs.dummy_inputs["input_ids"])
     assert ours.input_modalities == theirs.input_modalities and ours.output_modalities == theirs.output_modalities
     assert list(ours.named_non_persistent_buffers()) == list(theirs.named_non_persistent_buffers())
@@ -314,9 +317,12 @@ def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(
     base = ours(ids).logits
     ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
                                      init_lora_weights=False))
+    ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"], modules_to_save=["lm_head"], init_lora_weights=False),
+                     adapter_name="two")
     assert max_diff(ours(ids).logits, base) > 1e-2
-    ours.delete_adapter("default")
+    ours.delete_adapter(["default", "two"])  # a list: both go, the last one with them
     assert not hasattr(ours, "peft_config") and list(ours.state_dict()) == keys
+    assert ours._hf_peft_config_loaded is False  # as transformers leaves it
     assert max_diff(ours(ids).logits, base) == 0
     ours.save_pretrained(tmp_path)  # the whole model again, not an adapter
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -335,10 +341,53 @@ def test_a_loaded_adapter_is_frozen_for_inference_unless_trainable(tmp_path, tra
     fresh, _ = twins()
     fresh.train()
     fresh.load_adapter(tmp_path, is_trainable=trainable)
-    assert fresh.peft_config["default"].inference_mode is not trainable
+    assert fresh.peft_config["default"].inference_mode is (not trainable)
     assert fresh.training is trainable  # transformers puts a model loaded for inference in eval mode
     lora = [p.requires_grad for n, p in fresh.named_parameters() if "lora_" in n]
     assert lora and all(g is trainable for g in lora)
+
+
+@pytest.mark.slow
+def test_load_adapter_asks_the_hub_unless_told_not_to(monkeypatch):
+    """local_files_only defaults to False, as in transformers: a hub name is looked up online (PEFT's
+    loader stands in for the hub here, recording what it is asked)."""
+    peft = pytest.importorskip("peft")
+    asked = []
+
+    def from_pretrained(name, **options):
+        asked.append((name, options))
+        raise OSError("stand-in hub")
+
+    monkeypatch.setattr(peft.PeftConfig, "from_pretrained", from_pretrained)
+    ours, _ = twins()
+    for kwargs in ({}, {"local_files_only": True}, {"adapter_kwargs": {"revision": "v2"}}):
+        with pytest.raises(OSError, match="stand-in hub"):
+            ours.load_adapter("someone/adapter", **kwargs)
+    assert asked == [("someone/adapter", {"local_files_only": False}), ("someone/adapter", {"local_files_only": True}),
+                     ("someone/adapter", {"local_files_only": False, "revision": "v2"})]
+
+
+@pytest.mark.slow
+def test_adapter_weights_are_read_onto_the_cpu_and_unknown_options_named(tmp_path, monkeypatch):
+    """Whatever device PEFT's loader would pick by itself (a GPU where there is one: a stand-in
+    device here), the adapter's weights are read onto the CPU, beside the model's."""
+    peft = pytest.importorskip("peft")
+    import peft.utils.save_and_load as peft_loading
+
+    ours, _ = twins()
+    ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    ours.save_pretrained(tmp_path)
+    monkeypatch.setattr(peft_loading, "infer_device", lambda: "meta")
+    fresh, _ = twins()
+    fresh.load_adapter(tmp_path)
+    want, got = ours.get_adapter_state_dict(), fresh.get_adapter_state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(TypeError) as err:
+        fresh.load_adapter(tmp_path, adapter_name="two", token="x", device_map="auto")
+    assert str(err.value) == "load_adapter got ['device_map', 'token'], which gpt2attn does not take"
+    with pytest.raises(TypeError) as err:
+        fresh.load_adapter(tmp_path, adapter_name="two", load_config=object())
+    assert str(err.value) == "load_adapter got ['load_config'], which gpt2attn does not take"
 
 
 @pytest.mark.slow

@@ -80,6 +80,10 @@ def test_attn_implementation_switches_the_attention_path(monkeypatch):
     assert max_diff(sdpa, eager) < 1e-5
     with pytest.raises(ValueError, match='Specified `attn_implementation="flash_attention_2"` is not supported'):
         model.set_attn_implementation("flash_attention_2")
+    model.set_attn_implementation({"vision_config": "sdpa"})  # a dict: only its "" entry is GPT-2's
+    assert model.config._attn_implementation == "eager"
+    model.set_attn_implementation({"": "sdpa"})
+    assert model.config._attn_implementation == "sdpa" and not model.transformer.h[0].attn.textbook
 
 
 def test_from_pretrained_takes_attn_implementation(tmp_path):
