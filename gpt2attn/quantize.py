@@ -22,10 +22,11 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
   - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
-    int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
-    with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
-    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small).
-Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
+    int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
+    rows at a time), so the one int8 copy serves prompts and steps, and a prompt's results equal
+    decoding's to fp32 rounding. An int8 layer whose input width is not a multiple of 32 takes
+    torch's fp32 product on its dequantized weight instead.
+Weight-only int8 through torch or torchao and fbgemm for decoding were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
@@ -182,7 +183,7 @@ class Int8Linear(PackedLinear):
     `Int8Linear(weight (out, in), bias)` quantizes an nn.Linear's weight; conv=True takes a
     Conv1D's (in, out)."""
 
-    prefill_kernel = "fbgemm dynamic int8 (quantized::linear_dynamic)"
+    prefill_kernel = "decode's, a prompt's rows in tiles"
     decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
     decode_reference = "the int8 rows' reference, input in blocks of 32"
 
@@ -193,8 +194,7 @@ class Int8Linear(PackedLinear):
         with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        # the same int8 weights, plain, for the decoding kernel: (out, in) rows and their scales
+        # plain int8 (out, in) rows and their scales: the one copy prompts and steps both read
         self.weight8, self.scale = qweight.int_repr().contiguous(), qweight.q_per_channel_scales().float()
         self.bias = bias
 
@@ -213,11 +213,19 @@ class Int8Linear(PackedLinear):
     def _decodes(self, x: Tensor) -> bool:
         return self.in_features % cpu_kernels.BLOCK == 0 and super()._decodes(x)
 
+    @property
+    def kernel(self) -> str:
+        if self.in_features % cpu_kernels.BLOCK:
+            return f"torch fp32 on the dequantized weight ({self.in_features} inputs: not in blocks of 32)"
+        return super().kernel
+
     def decode(self, x: Tensor) -> Tensor:
         return cpu_kernels.rows_q8(x, self.weight8, self.scale, self.bias)
 
-    def prefill(self, x: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+    def prefill(self, x: Tensor) -> Tensor:  # the same kernel, a prompt's rows in tiles
+        if self._decodes(x):
+            return self.decode(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
@@ -230,8 +238,6 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
     if param.dtype != torch.float32:
         raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
-    if mode == "int8" and torch.backends.quantized.engine == "none":
-        raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     for name, module in list(model.named_modules()):

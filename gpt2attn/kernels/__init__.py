@@ -344,10 +344,12 @@ def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     xq, xs = quantize_q8_reference(x)
-    B, N = x.size(0), w8.size(0)
-    # each block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
-    sums = torch.einsum("bjk,njk->bnj", xq.view(B, -1, BLOCK).float(), w8.view(N, -1, BLOCK).float())  # (B, N, K/32)
-    y = (sums * xs[:, None, :]).sum(-1) * scale  # (B, N)
+    y = torch.zeros(x.size(0), w8.size(0))  # (B, N)
+    for j in range(x.size(1) // BLOCK):  # block by block: no (B, N, K/32) tensor of every block's sums
+        block = slice(j * BLOCK, (j + 1) * BLOCK)
+        # the block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
+        y += (xq[:, block].float() @ w8[:, block].float().t()) * xs[:, j, None]
+    y *= scale
     return y if bias is None else y + bias
 
 

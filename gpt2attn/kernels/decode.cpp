@@ -11,7 +11,9 @@
 //                            (simd.h's dot4: row i of each quarter of the span together)
 //   ROWS_Q8                  (N, K) int8 with one fp32 scale per row; x is quantized in blocks of
 //                            32 with one scale each (llama.cpp's q8_0), each block's 32 products
-//                            summed exactly in int32
+//                            summed exactly in int32. Any number of rows: a prompt's (the int8
+//                            model's one copy serves prompts too) are taken in tiles of Q8_ROWS
+//                            rows, in chunks of x that stay in the core's cache
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 //
@@ -36,7 +38,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -73,13 +77,15 @@ struct Model {
 
 namespace {
 
-using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
+using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::Q8_ROWS, gpt2attn::widen;
 
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
 constexpr int64_t KCHUNK = 32;  // rows of a (K, N) weight per chunk (a multiple of 8): 32 x 2304 fp32 = 295 KB
 constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product
 constexpr int64_t SLICE = 256;  // outputs per task when the threads' partials of a cols product are summed
+constexpr int64_t X_CHUNK_BYTES = 1 << 18;  // a prompt's int8 x taken this much at a time (in L2)
+constexpr int64_t ALONE_ROWS = 8;  // an int8 product of up to this many rows: each thread quantizes x for itself
 
 bool is_kind(int32_t kind) { return kind >= COLS_F32 && kind <= ROWS_Q8; }
 
@@ -170,15 +176,17 @@ struct Products {
     int threads;
     int64_t max_cols_n, max_k, max_span;  // widest cols output, widest input, longest rows span
     std::vector<float> partial;  // (threads, B, max_cols_n): each thread's share of a (K, N) product
-    std::vector<int8_t> xq;      // (threads, B, max_k): x quantized for ROWS_Q8, by each thread for itself
-    std::vector<float> xs;       // (threads, B, max_k / 32): its scales
+    std::vector<int8_t> xq;      // (copies, B, max_k): x quantized for ROWS_Q8, a copy per thread for few rows
+    std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
-          partial(nthreads * rows * cols_n), xq(nthreads * rows * k), xs(nthreads * rows * (k / 32)),
+          partial(nthreads * rows * cols_n), xq(copies() * rows * k), xs(copies() * rows * (k / 32)),
           sums(nthreads * rows * max_span) {}
+
+    int64_t copies() const { return B > ALONE_ROWS ? 1 : threads; }  // of x quantized, for ROWS_Q8
 
     // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
@@ -275,27 +283,45 @@ struct Products {
 
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, nb = K / 32;
-        // every thread quantizes x for itself (a few microseconds): no barrier before the rows
-        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;
-        float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
-        gpt2attn::quantize_q8(x, B * nb, xq_mine, xs_mine);
+        // x quantized: a few rows by every thread for itself (a few microseconds; no barrier before
+        // the products), a prompt's rows by the threads together into one copy
+        const bool together = B > ALONE_ROWS;
+        const int64_t copy = together ? 0 : omp_get_thread_num();
+        int8_t* xq_all = xq.data() + copy * B * max_k;  // (B, K)
+        float* xs_all = xs.data() + copy * B * (max_k / 32);  // (B, K / 32)
+        if (together) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) gpt2attn::quantize_q8(x + b * K, nb, xq_all + b * K, xs_all + b * nb);
+            // implicit barrier: every row is quantized before any is read
+        } else {
+            gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all);
+        }
         const int8_t* w = (const int8_t*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        const int64_t chunk = std::max<int64_t>(Q8_ROWS, X_CHUNK_BYTES / K / Q8_ROWS * Q8_ROWS);  // rows of x
         for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
-            float out[4];
-            for (int64_t i = 0; i < q; i++)
-                for (int64_t b = 0; b < B; b++) {
-                    dot4_q8(xq_mine + b * K, xs_mine + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
-                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j] * W.scale[r0 + i + j * q];
+            float out[Q8_ROWS * 4];
+            // the rows i, i + q, i + 2q, i + 3q of the span, times a tile of input rows at a time
+            auto tile = [&](auto rows, int64_t i, int64_t b) {
+                dot4_q8<rows>(xq_all + b * K, xs_all + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
+                for (int m = 0; m < rows; m++)
+                    for (int j = 0; j < 4; j++) mine[(b + m) * n + i + j * q] = out[m * 4 + j] * W.scale[r0 + i + j * q];
+            };
+            for (int64_t b0 = 0; b0 < B; b0 += chunk)  // a chunk of x stays in cache while the span's rows pass
+                for (int64_t i = 0; i < q; i++) {
+                    const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
+                    int64_t b = b0;
+                    for (; b + Q8_ROWS <= b1; b += Q8_ROWS) tile(std::integral_constant<int, Q8_ROWS>(), i, b);
+                    for (; b < b1; b++) tile(std::integral_constant<int, 1>(), i, b);
                 }
             for (int64_t r = r0 + 4 * q; r < r1; r++)
                 for (int64_t b = 0; b < B; b++) {
                     float total = 0.0f;
                     for (int64_t j = 0; j < nb; j++) {
                         int32_t s = 0;
-                        for (int i = 0; i < 32; i++) s += (int32_t)xq_mine[b * K + 32 * j + i] * w[r * K + 32 * j + i];
-                        total += xs_mine[b * nb + j] * (float)s;
+                        for (int i = 0; i < 32; i++) s += (int32_t)xq_all[b * K + 32 * j + i] * w[r * K + 32 * j + i];
+                        total += xs_all[b * nb + j] * (float)s;
                     }
                     mine[b * n + r - r0] = total * W.scale[r];
                 }
