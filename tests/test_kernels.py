@@ -183,9 +183,15 @@ def test_fp32_mode_keeps_training_gradients(model, ids):
     assert w.grad is not None and max_diff(w.grad, w_ref.grad) < 1e-6
 
 
-@pytest.mark.parametrize("mode, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
-def test_half_modes_compute_with_the_rounded_weights(model, ids, mode, dtype):
+# native: a bf16 prompt through torch's bf16 product (the path of a CPU with AVX512-BF16 or AMX), which
+# rounds its input and output to bf16 too; else the weight widened to fp32. Both run on any CPU.
+@pytest.mark.parametrize("mode, dtype, native", [("fp16", torch.float16, False), ("bf16", torch.bfloat16, False),
+                                                 ("bf16", torch.bfloat16, True)])
+def test_half_modes_compute_with_the_rounded_weights(model, ids, mode, dtype, native):
     half = copy.deepcopy(model).quantize(mode)
+    for layer in half.modules():
+        if isinstance(layer, HalfLinear):
+            layer.native_bf16 = native
     assert isinstance(half.transformer.h[0].attn.c_attn, HalfLinear)
     assert half.transformer.h[0].attn.c_attn.weight16.dtype == dtype
     rounded = copy.deepcopy(model)  # fp32 model whose matrices are the 16-bit values
@@ -195,8 +201,10 @@ def test_half_modes_compute_with_the_rounded_weights(model, ids, mode, dtype):
                 p.copy_(p.to(dtype).float())
     with torch.no_grad():
         expected, full = rounded(ids).logits, model(ids).logits
-        for got in (decode_logits(half, ids), half(ids).logits):  # decoding (kernels) and prefill (torch)
-            assert relative(got, expected) < 1e-3 if mode == "bf16" else relative(got, expected) < 1e-4
+        decoded, prefill = decode_logits(half, ids), half(ids).logits  # the kernels; torch
+        assert relative(decoded, expected) < (1e-3 if mode == "bf16" else 1e-4)
+        assert relative(prefill, expected) < (1e-2 if native else 1e-3 if mode == "bf16" else 1e-4)
+        assert (relative(prefill, decoded) > 1e-4) == native  # bf16 inputs: not decoding's sums
         assert relative(half(ids).logits, full) < (0.05 if mode == "bf16" else 0.01)
     state = half.state_dict()
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in model.state_dict().items()}
