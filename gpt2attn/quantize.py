@@ -21,8 +21,9 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     quantized per call in blocks of 32 values, as llama.cpp's q8_0). Where the kernels cannot run
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
-  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
-    int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
+  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product,
+    except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16 product (see
+    HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
     rows at a time), so the one int8 copy serves prompts and steps, and a prompt's results equal
     decoding's to fp32 rounding. An int8 layer whose input width is not a multiple of 32 takes
     torch's fp32 product on its dequantized weight instead.
@@ -36,7 +37,7 @@ made from. So `save_pretrained` writes an ordinary fp32 folder that transformers
 layers are for inference: no gradients flow through them.
 
 `cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
-training's dtype="auto" asks; the weights-only bf16 here does not need it.
+training's dtype="auto" asks, and bf16 prompts here; bf16 decoding does not need it.
 """
 
 from __future__ import annotations
