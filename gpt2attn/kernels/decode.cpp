@@ -304,7 +304,7 @@ struct Products {
             float out[Q8_ROWS * 4];
             // the rows i, i + q, i + 2q, i + 3q of the span, times a tile of input rows at a time
             auto tile = [&](auto rows, int64_t i, int64_t b) {
-                dot4_q8<rows>(xq_all + b * K, xs_all + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
+                dot4_q8<decltype(rows)::value>(xq_all + b * K, xs_all + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
                 for (int m = 0; m < rows; m++)
                     for (int j = 0; j < 4; j++) mine[(b + m) * n + i + j * q] = out[m * 4 + j] * W.scale[r0 + i + j * q];
             };
