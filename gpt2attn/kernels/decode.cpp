@@ -402,11 +402,18 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
     if (pos < 0 || pos >= capacity) return -3;
     const int64_t widest = 3 * C > inner ? 3 * C : inner;
     Products products(B, threads, widest, V > widest ? V : widest, inner > C ? inner : C);
-    std::vector<float> x(B * C), h(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, normed, ...
-    std::vector<float> scores(threads * (pos + 1));
+    std::vector<float> x(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, ...
+    std::vector<float> h(threads * B * C), scores(threads * (pos + 1));  // each thread's normed rows, scores
 
 #pragma omp parallel num_threads(threads)
     {
+        // Every thread normalizes every row for itself (a few microseconds), so no barrier stands
+        // between a product and the LayerNorm before the next: each product ends in one, after
+        // which x is whole, and the next write to x comes after two more.
+        float* normed = &h[omp_get_thread_num() * B * C];  // (B, C)
+        auto norm = [&](const float* weight, const float* bias) {
+            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], weight, bias, m.eps, C, normed + b * C);
+        };
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             const float* wpe = m.wpe + (positions ? positions[b] : pos) * C;
@@ -414,9 +421,8 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
         }
         for (int64_t l = 0; l < m.n_layer; l++) {
             const Layer& L = m.layers[l];
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_1_weight, L.ln_1_bias, m.eps, C, &h[b * C]);
-            products.product(L.c_attn, h.data(), qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
+            norm(L.ln_1_weight, L.ln_1_bias);
+            products.product(L.c_attn, normed, qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
             float* p = scores.data() + omp_get_thread_num() * (pos + 1);
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < B * nh; bh++) {
@@ -428,14 +434,12 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
                        p, &att[b * C + head * hs]);
             }
             products.product(L.attn_proj, att.data(), x.data(), C, ADD);  // x += attn
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_2_weight, L.ln_2_bias, m.eps, C, &h[b * C]);
-            products.product(L.c_fc, h.data(), f.data(), inner, GELU);  // (B, inner)
+            norm(L.ln_2_weight, L.ln_2_bias);
+            products.product(L.c_fc, normed, f.data(), inner, GELU);  // (B, inner)
             products.product(L.mlp_proj, f.data(), x.data(), C, ADD);   // x += mlp
         }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], m.ln_f_weight, m.ln_f_bias, m.eps, C, &h[b * C]);
-        products.product(m.lm_head, h.data(), logits, V, STORE);  // (B, V)
+        norm(m.ln_f_weight, m.ln_f_bias);
+        products.product(m.lm_head, normed, logits, V, STORE);  // (B, V)
     }
     return 0;
 }
