@@ -8,7 +8,8 @@ threads, and accumulate in fp32:
     cols(x, w, bias)            w (K, N) fp32, Conv1D's layout                          -> (B, N)
     rows(x, w, bias)            w (N, K), nn.Linear's layout (the LM head), fp32, fp16 or bf16 -> (B, N)
     rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
-                                in blocks of 32 (quantize_q8)                           -> (B, N)
+                                in blocks of 32 (quantize_q8); any B: a prompt's rows
+                                too, a tile of them at a time (compute-bound then)      -> (B, N)
     decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
 
 Each product has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the
