@@ -160,12 +160,29 @@ inline void axpy(float* y, float p, const float* v, int64_t n) {
     for (; i < n; i++) y[i] += p * v[i];
 }
 
+// the sum over x[0:n] of f(x[i] - shift) in double, eight lanes a step; f: the value or its square
+template <bool square>
+double sum_pd(const float* x, int64_t n, double shift) {
+    const __m256d c = _mm256_set1_pd(shift);
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), c);
+        const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), c);
+        lo = square ? _mm256_fmadd_pd(a, a, lo) : _mm256_add_pd(lo, a);
+        hi = square ? _mm256_fmadd_pd(d, d, hi) : _mm256_add_pd(hi, d);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(lo, hi));
+    double total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) total += square ? (x[i] - shift) * (x[i] - shift) : x[i] - shift;
+    return total;
+}
+
 void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* out) {
-    double mean = 0, var = 0;
-    for (int64_t i = 0; i < C; i++) mean += x[i];
-    mean /= C;
-    for (int64_t i = 0; i < C; i++) var += (x[i] - mean) * (x[i] - mean);
-    float inv = 1.0f / std::sqrt((float)(var / C) + eps), m = (float)mean;
+    const double mean = sum_pd<false>(x, C, 0.0) / C, var = sum_pd<true>(x, C, mean) / C;
+    const float inv = 1.0f / std::sqrt((float)var + eps), m = (float)mean;
     for (int64_t i = 0; i < C; i++) out[i] = (x[i] - m) * inv * w[i] + b[i];
 }
 
