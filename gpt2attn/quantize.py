@@ -32,12 +32,14 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
     so does q4's;
-  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product;
-    int8 through fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: the input quantized
-    with one scale per call, int32 accumulation), which holds its own packed copy of the same int8
-    weights (so an int8 model keeps the int8 weights twice: 2 x 124 MB for gpt2-small); q4's
-    Q4_K layers through the same kernel as their decoding (every row in one pass over the weights).
-Weight-only int8 through torch or torchao and fbgemm for decoding too were measured slower
+  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product,
+    except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16 product (see
+    HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
+    rows at a time), so the one int8 copy serves prompts and steps, and a prompt's results equal
+    decoding's to fp32 rounding (an int8 layer whose input width is not a multiple of 32 takes
+    torch's fp32 product on its dequantized weight instead); q4's Q4_K layers through the same
+    kernel as their decoding too (every row in one pass over the weights).
+Weight-only int8 through torch or torchao and fbgemm for decoding were measured slower
 (`python scripts/bench.py generate --quantize int8 --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
@@ -49,7 +51,7 @@ written as 'q4' keeps the very Q4_K blocks). The 16-bit, int8 and q4 layers are 
 gradients flow through them.
 
 `cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
-training's dtype="auto" asks; the weights-only bf16 here does not need it.
+training's dtype="auto" asks, and bf16 prompts here; bf16 decoding does not need it.
 """
 
 from __future__ import annotations
@@ -166,16 +168,28 @@ class PackedLinear(CpuLinear):
 class HalfLinear(PackedLinear):
     """The weight in 16 bits (fp16 or bf16) as (out, in) rows (a Conv1D's is transposed once), the
     layout of the head's kernel, which every 16-bit product then shares (the (in, out) layout
-    measured no faster for 16-bit decoding); products accumulate in fp32."""
+    measured no faster for 16-bit decoding); products accumulate in fp32.
 
-    prefill_kernel = "torch (MKL) fp32 on the widened weight"
-    decode_reference = prefill_kernel
+    A prompt (more than DECODE_ROWS rows) widens the weight to fp32 for torch's product, except
+    bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from cpu_bf16_report: AVX512-BF16 or
+    AMX), where torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to
+    bf16 and the output too (fp32 sums between): about twice as fast, measured, with logits about
+    three times further from fp32's (see docs/cpu-decoding.md)."""
+
+    decode_reference = "torch (MKL) fp32 on the widened weight"
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, conv: bool = False,
                  tied: bool = False):
         self.weight_dtype = dtype
         super().__init__(weight, bias, conv, tied)
         self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} rows"
+        self.native_bf16 = dtype == torch.bfloat16 and cpu_bf16_report()[0]
+
+    @property
+    def prefill_kernel(self) -> str:
+        if self.native_bf16:
+            return "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, fp32 sums"
+        return self.decode_reference
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
@@ -190,6 +204,9 @@ class HalfLinear(PackedLinear):
         return cpu_kernels.rows(x, self.weight16, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
+        if self.native_bf16:
+            y = F.linear(x.to(torch.bfloat16), self.weight16).float()
+            return y if self.bias is None else y + self.bias
         return cpu_kernels.rows_reference(x, self.weight16, self.bias)
 
 
@@ -199,7 +216,7 @@ class Int8Linear(PackedLinear):
     `Int8Linear(weight (out, in), bias)` quantizes an nn.Linear's weight; conv=True takes a
     Conv1D's (in, out)."""
 
-    prefill_kernel = "fbgemm dynamic int8 (quantized::linear_dynamic)"
+    prefill_kernel = "decode's, a prompt's rows in tiles"
     decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
     decode_reference = "the int8 rows' reference, input in blocks of 32"
 
@@ -211,8 +228,7 @@ class Int8Linear(PackedLinear):
         with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        # the same int8 weights, plain, for the decoding kernel: (out, in) rows and their scales
+        # plain int8 (out, in) rows and their scales: the one copy prompts and steps both read
         self.weight8, self.scale = qweight.int_repr().contiguous(), qweight.q_per_channel_scales().float()
         self.bias = bias
 
@@ -231,11 +247,19 @@ class Int8Linear(PackedLinear):
     def _decodes(self, x: Tensor) -> bool:
         return self.in_features % cpu_kernels.BLOCK == 0 and super()._decodes(x)
 
+    @property
+    def kernel(self) -> str:
+        if self.in_features % cpu_kernels.BLOCK:
+            return f"torch fp32 on the dequantized weight ({self.in_features} inputs: not in blocks of 32)"
+        return super().kernel
+
     def decode(self, x: Tensor) -> Tensor:
         return cpu_kernels.rows_q8(x, self.weight8, self.scale, self.bias)
 
-    def prefill(self, x: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+    def prefill(self, x: Tensor) -> Tensor:  # the same kernel, a prompt's rows in tiles
+        if self._decodes(x):
+            return self.decode(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
 
 class Q4Linear(PackedLinear):
@@ -281,8 +305,6 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
     if param.dtype != torch.float32:
         raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
-    if mode in ("int8", "q4") and torch.backends.quantized.engine == "none":
-        raise RuntimeError("torch has no quantized engine on this CPU (torch.backends.quantized.engine is 'none')")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     n_layer = getattr(getattr(model, "config", None), "n_layer", 0)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             fns[f"{mode} generate"] = generate
             fns[f"{mode} generate 1"] = lambda generate=generate: generate(n=1)
         times = {name: [] for name in fns}
-        for name, fn in fns.items():  # warm up (builds the kernels, fbgemm's packing, allocations)
+        for name, fn in fns.items():  # warm up (builds the kernels, allocations)
             fn()
         for _ in range(args.repeats):
             for name, fn in fns.items():

@@ -31,7 +31,7 @@ def test_every_conv1d_and_the_head_become_int8_under_their_names(models):
     conv_names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     assert sorted(quantized) == sorted(conv_names + ["lm_head"]) and len(conv_names) == 4 * 2
     assert all(isinstance(q.get_submodule(n), Int8Linear) and q.get_submodule(n).conv for n in conv_names)
-    assert all(value.endswith("prefill: fbgemm dynamic int8 (quantized::linear_dynamic)") for value in quantized.values())
+    assert all(value.endswith("prefill: decode's, a prompt's rows in tiles") for value in quantized.values())
 
 
 def test_int8_logits_stay_close_to_transformers_fp32(models, ids):
@@ -214,14 +214,22 @@ def test_int8_decoding_loss_within_half_a_percent_of_fp32():
     assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
 
 
-@pytest.mark.parametrize("mode, dtype", [("fp16", "float16"), ("bf16", "bfloat16")])
-def test_a_half_layer_names_its_kernels(mode, dtype):
+WIDENED = "torch (MKL) fp32 on the widened weight"
+ONEDNN = "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, fp32 sums"
+
+
+@pytest.mark.parametrize("mode, dtype, cpu_flags, prefill", [
+    ("fp16", "float16", {"avx2", "avx512_bf16"}, WIDENED), ("bf16", "bfloat16", {"avx2"}, WIDENED),
+    ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, ONEDNN), ("bf16", "bfloat16", {"amx_bf16"}, ONEDNN)])
+def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeypatch):
+    """A bf16 prompt takes the CPU's own bf16 products where it has them (the flags are this test's)."""
+    import gpt2attn.quantize as Q
     from gpt2attn import kernels as K
 
+    monkeypatch.setattr(Q, "_cpu_flags", lambda: cpu_flags)
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=0).quantize(mode)
     decode = f"gpt2attn {dtype} rows" if K.available() else "plain torch"
-    assert model.transformer.h[0].attn.c_attn.kernel == \
-        f"decode: {decode}; prefill: torch (MKL) fp32 on the widened weight"
+    assert model.transformer.h[0].attn.c_attn.kernel == f"decode: {decode}; prefill: {prefill}"
 
 
 @pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, []), ({"avx2", "avx512_bf16"}, ["avx512_bf16"]),

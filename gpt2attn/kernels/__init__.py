@@ -8,7 +8,8 @@ threads, and accumulate in fp32:
     cols(x, w, bias)            w (K, N) fp32, Conv1D's layout                          -> (B, N)
     rows(x, w, bias)            w (N, K), nn.Linear's layout (the LM head), fp32, fp16 or bf16 -> (B, N)
     rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
-                                in blocks of 32 (quantize_q8)                           -> (B, N)
+                                in blocks of 32 (quantize_q8); any B: a prompt's rows
+                                too, a tile of them at a time (compute-bound then)      -> (B, N)
     rows_q4k(x, blocks, bias)   blocks (N, K/256 * 144) uint8, llama.cpp's Q4_K (gpt2attn.q4_k);
                                 x quantized as for rows_q8                              -> (B, N)
     decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
@@ -351,10 +352,12 @@ def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     xq, xs = quantize_q8_reference(x)
-    B, N = x.size(0), w8.size(0)
-    # each block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
-    sums = torch.einsum("bjk,njk->bnj", xq.view(B, -1, BLOCK).float(), w8.view(N, -1, BLOCK).float())  # (B, N, K/32)
-    y = (sums * xs[:, None, :]).sum(-1) * scale  # (B, N)
+    y = torch.zeros(x.size(0), w8.size(0))  # (B, N)
+    for j in range(x.size(1) // BLOCK):  # block by block: no (B, N, K/32) tensor of every block's sums
+        block = slice(j * BLOCK, (j + 1) * BLOCK)
+        # the block's 32 products summed exactly (integers below 2^24 in fp32), then scaled
+        y += (xq[:, block].float() @ w8[:, block].float().t()) * xs[:, j, None]
+    y *= scale
     return y if bias is None else y + bias
 
 

@@ -11,10 +11,13 @@
 //                            (simd.h's dot4: row i of each quarter of the span together)
 //   ROWS_Q8                  (N, K) int8 with one fp32 scale per row; x is quantized in blocks of
 //                            32 with one scale each (llama.cpp's q8_0), each block's 32 products
-//                            summed exactly in int32
+//                            summed exactly in int32. Any number of rows: a prompt's (the int8
+//                            model's one copy serves prompts too) are taken in tiles of Q8_ROWS
+//                            rows, in chunks of x that stay in the core's cache
 //   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes, simd.h),
-//                            K a multiple of 256; x quantized as for ROWS_Q8, each sub-block's 32
-//                            products of nibbles and x summed exactly in int32
+//                            K a multiple of 256; x quantized as for ROWS_Q8 (by each thread for
+//                            itself, whatever the rows), each sub-block's 32 products of nibbles
+//                            and x summed exactly in int32
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 //
@@ -39,7 +42,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -76,13 +81,16 @@ struct Model {
 
 namespace {
 
-using gpt2attn::dot4, gpt2attn::dot4_q4k, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
+using gpt2attn::dot4, gpt2attn::dot4_q4k, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::Q8_ROWS,
+    gpt2attn::widen;
 
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
 constexpr int64_t KCHUNK = 32;  // rows of a (K, N) weight per chunk (a multiple of 8): 32 x 2304 fp32 = 295 KB
 constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product
 constexpr int64_t SLICE = 256;  // outputs per task when the threads' partials of a cols product are summed
+constexpr int64_t X_CHUNK_BYTES = 1 << 18;  // a prompt's int8 x taken this much at a time (in L2)
+constexpr int64_t ALONE_ROWS = 8;  // an int8 product of up to this many rows: each thread quantizes x for itself
 
 bool is_kind(int32_t kind) { return kind >= COLS_F32 && kind <= ROWS_Q4K; }
 
@@ -160,12 +168,29 @@ inline void axpy(float* y, float p, const float* v, int64_t n) {
     for (; i < n; i++) y[i] += p * v[i];
 }
 
+// the sum over x[0:n] of f(x[i] - shift) in double, eight lanes a step; f: the value or its square
+template <bool square>
+double sum_pd(const float* x, int64_t n, double shift) {
+    const __m256d c = _mm256_set1_pd(shift);
+    __m256d lo = _mm256_setzero_pd(), hi = lo;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), c);
+        const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), c);
+        lo = square ? _mm256_fmadd_pd(a, a, lo) : _mm256_add_pd(lo, a);
+        hi = square ? _mm256_fmadd_pd(d, d, hi) : _mm256_add_pd(hi, d);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(lo, hi));
+    double total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) total += square ? (x[i] - shift) * (x[i] - shift) : x[i] - shift;
+    return total;
+}
+
 void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* out) {
-    double mean = 0, var = 0;
-    for (int64_t i = 0; i < C; i++) mean += x[i];
-    mean /= C;
-    for (int64_t i = 0; i < C; i++) var += (x[i] - mean) * (x[i] - mean);
-    float inv = 1.0f / std::sqrt((float)(var / C) + eps), m = (float)mean;
+    const double mean = sum_pd<false>(x, C, 0.0) / C, var = sum_pd<true>(x, C, mean) / C;
+    const float inv = 1.0f / std::sqrt((float)var + eps), m = (float)mean;
     for (int64_t i = 0; i < C; i++) out[i] = (x[i] - m) * inv * w[i] + b[i];
 }
 
@@ -176,17 +201,23 @@ struct Products {
     int threads;
     int64_t max_cols_n, max_k, max_span;  // widest cols output, widest input, longest rows span
     std::vector<float> partial;  // (threads, B, max_cols_n): each thread's share of a (K, N) product
-    std::vector<int8_t> xq;      // (threads, B, max_k): x quantized for ROWS_Q8, by each thread for itself
-    std::vector<float> xs;       // (threads, B, max_k / 32): its scales
+    std::vector<int8_t> xq;      // (copies, B, max_k): x quantized for ROWS_Q8, a copy per thread for few rows
+    std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
     std::vector<float> xsums;    // (threads, B, max_k / 32): for ROWS_Q4K, each block's scale times its sum
     std::vector<float> xorder;   // (threads, B, max_k): for ROWS_Q4K, x's blocks in the order its kernel reads them
 
-    // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K
-    Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k)
+    // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K; q4k:
+    // whether a ROWS_Q4K matrix may come (its scratch space is then made too)
+    Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k, bool q4k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
-          partial(nthreads * rows * cols_n), xq(nthreads * rows * k), xs(nthreads * rows * (k / 32)),
-          sums(nthreads * rows * max_span), xsums(nthreads * rows * (k / 32)), xorder(nthreads * rows * k) {}
+          partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
+          sums(nthreads * rows * max_span), xsums(q4k ? nthreads * rows * (k / 32) : 0),
+          xorder(q4k ? nthreads * rows * k : 0) {}
+
+    // copies of x quantized: one a thread for a few rows (and always for ROWS_Q4K, whose threads each
+    // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
+    int64_t copies(bool q4k) const { return B > ALONE_ROWS && !q4k ? 1 : threads; }
 
     // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
     void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
@@ -284,27 +315,45 @@ struct Products {
 
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
         const int64_t K = W.K, nb = K / 32;
-        // every thread quantizes x for itself (a few microseconds): no barrier before the rows
-        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;
-        float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
-        gpt2attn::quantize_q8(x, B * nb, xq_mine, xs_mine);
+        // x quantized: a few rows by every thread for itself (a few microseconds; no barrier before
+        // the products), a prompt's rows by the threads together into one copy
+        const bool together = B > ALONE_ROWS;
+        const int64_t copy = together ? 0 : omp_get_thread_num();
+        int8_t* xq_all = xq.data() + copy * B * max_k;  // (B, K)
+        float* xs_all = xs.data() + copy * B * (max_k / 32);  // (B, K / 32)
+        if (together) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) gpt2attn::quantize_q8(x + b * K, nb, xq_all + b * K, xs_all + b * nb);
+            // implicit barrier: every row is quantized before any is read
+        } else {
+            gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all);
+        }
         const int8_t* w = (const int8_t*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        const int64_t chunk = std::max<int64_t>(Q8_ROWS, X_CHUNK_BYTES / K / Q8_ROWS * Q8_ROWS);  // rows of x
         for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
-            float out[4];
-            for (int64_t i = 0; i < q; i++)
-                for (int64_t b = 0; b < B; b++) {
-                    dot4_q8(xq_mine + b * K, xs_mine + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
-                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j] * W.scale[r0 + i + j * q];
+            float out[Q8_ROWS * 4];
+            // the rows i, i + q, i + 2q, i + 3q of the span, times a tile of input rows at a time
+            auto tile = [&](auto rows, int64_t i, int64_t b) {
+                dot4_q8<decltype(rows)::value>(xq_all + b * K, xs_all + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
+                for (int m = 0; m < rows; m++)
+                    for (int j = 0; j < 4; j++) mine[(b + m) * n + i + j * q] = out[m * 4 + j] * W.scale[r0 + i + j * q];
+            };
+            for (int64_t b0 = 0; b0 < B; b0 += chunk)  // a chunk of x stays in cache while the span's rows pass
+                for (int64_t i = 0; i < q; i++) {
+                    const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
+                    int64_t b = b0;
+                    for (; b + Q8_ROWS <= b1; b += Q8_ROWS) tile(std::integral_constant<int, Q8_ROWS>(), i, b);
+                    for (; b < b1; b++) tile(std::integral_constant<int, 1>(), i, b);
                 }
             for (int64_t r = r0 + 4 * q; r < r1; r++)
                 for (int64_t b = 0; b < B; b++) {
                     float total = 0.0f;
                     for (int64_t j = 0; j < nb; j++) {
                         int32_t s = 0;
-                        for (int i = 0; i < 32; i++) s += (int32_t)xq_mine[b * K + 32 * j + i] * w[r * K + 32 * j + i];
-                        total += xs_mine[b * nb + j] * (float)s;
+                        for (int i = 0; i < 32; i++) s += (int32_t)xq_all[b * K + 32 * j + i] * w[r * K + 32 * j + i];
+                        total += xs_all[b * nb + j] * (float)s;
                     }
                     mine[b * n + r - r0] = total * W.scale[r];
                 }
@@ -389,7 +438,7 @@ extern "C" {
 // for a kind it does not know or a quantized matrix whose K is not a multiple of its blocks.
 int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int threads) {
     if (!is_kind(W->kind) || W->K % k_multiple(W->kind) != 0) return -1;
-    Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K);
+    Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K, W->kind == ROWS_Q4K);
 #pragma omp parallel num_threads(threads)
     products.product(*W, x, y, W->N, STORE);
     return 0;
@@ -426,12 +475,19 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
     }
     if (pos < 0 || pos >= capacity) return -3;
     const int64_t widest = 3 * C > inner ? 3 * C : inner;
-    Products products(B, threads, widest, V > widest ? V : widest, inner > C ? inner : C);
-    std::vector<float> x(B * C), h(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, normed, ...
-    std::vector<float> scores(threads * (pos + 1));
+    Products products(B, threads, widest, V > widest ? V : widest, inner > C ? inner : C, true);
+    std::vector<float> x(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, ...
+    std::vector<float> h(threads * B * C), scores(threads * (pos + 1));  // each thread's normed rows, scores
 
 #pragma omp parallel num_threads(threads)
     {
+        // Every thread normalizes every row for itself (a few microseconds), so no barrier stands
+        // between a product and the LayerNorm before the next: each product ends in one, after
+        // which x is whole, and the next write to x comes after two more.
+        float* normed = &h[omp_get_thread_num() * B * C];  // (B, C)
+        auto norm = [&](const float* weight, const float* bias) {
+            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], weight, bias, m.eps, C, normed + b * C);
+        };
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             const float* wpe = m.wpe + (positions ? positions[b] : pos) * C;
@@ -439,9 +495,8 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
         }
         for (int64_t l = 0; l < m.n_layer; l++) {
             const Layer& L = m.layers[l];
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_1_weight, L.ln_1_bias, m.eps, C, &h[b * C]);
-            products.product(L.c_attn, h.data(), qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
+            norm(L.ln_1_weight, L.ln_1_bias);
+            products.product(L.c_attn, normed, qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
             float* p = scores.data() + omp_get_thread_num() * (pos + 1);
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < B * nh; bh++) {
@@ -453,14 +508,12 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
                        p, &att[b * C + head * hs]);
             }
             products.product(L.attn_proj, att.data(), x.data(), C, ADD);  // x += attn
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], L.ln_2_weight, L.ln_2_bias, m.eps, C, &h[b * C]);
-            products.product(L.c_fc, h.data(), f.data(), inner, GELU);  // (B, inner)
+            norm(L.ln_2_weight, L.ln_2_bias);
+            products.product(L.c_fc, normed, f.data(), inner, GELU);  // (B, inner)
             products.product(L.mlp_proj, f.data(), x.data(), C, ADD);   // x += mlp
         }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) layer_norm(&x[b * C], m.ln_f_weight, m.ln_f_bias, m.eps, C, &h[b * C]);
-        products.product(m.lm_head, h.data(), logits, V, STORE);  // (B, V)
+        norm(m.ln_f_weight, m.ln_f_bias);
+        products.product(m.lm_head, normed, logits, V, STORE);  // (B, V)
     }
     return 0;
 }

@@ -1,6 +1,7 @@
 // The vector pieces of decode.cpp: widening 8 weights to fp32, a horizontal sum, the
 // quantization of activations in blocks of 32 (llama.cpp's q8_0 layout), and the inner loop of
-// every (N, K) rows product: four rows' dot products with one input row (dot4, dot4_q8).
+// every (N, K) rows product: four rows' dot products with one input row (dot4) or a tile of input
+// rows (dot4_q8).
 //
 // AVX2, FMA and F16C always; where the build has AVX-512 (F, BW, VL, DQ and VNNI: the kernels are
 // built with those flags on a CPU that has them), dot4 and dot4_q8 take 16 floats or 64 int8 a
@@ -128,52 +129,82 @@ inline void dot4(const float* x, const T* w0, int64_t stride, int64_t K, bool pr
 #endif
 }
 
-// out[i] = sum over blocks j of xs[j] * (xq . w[i]) over block j's 32 values, exact in int32 per
-// block, for the four int8 rows w[i] = w0 + i * stride; K a multiple of 32. The products are |x|
-// (as u8) times w carrying x's sign, which fits the u8 x s8 instructions.
+// The int8 products, one step at a time: Q8_STEP blocks of 32 of an input row (q8_row), of each
+// weight row (q8_weights), then q8_madd: acc += the blocks' scales * (each block's 32 products,
+// summed exactly in int32). The u8 x s8 instructions take one side unsigned:
+//   AVX-512: two blocks a step (lanes 0-7 sum the first, 8-15 the second; a last step of an odd
+//            count loads one), one VNNI vpdpbusd per 64 bytes of (w + 128) as u8 times x, started
+//            from -128 x (so exactly w x), summed per 4 bytes;
+//   AVX2:    one block a step, |x| as u8 times w carrying x's sign (maddubs: pairs in int16, which
+//            127 x 127 x 2 cannot overflow), then madd.
+#ifdef GPT2ATTN_AVX512
+using Q8Acc = __m512;
+using Q8Bytes = __m512i;
+constexpr int64_t Q8_STEP = 2;
+constexpr int Q8_ROWS = 4;  // input rows a dot4_q8 tile takes at once (16 accumulators of 32 registers)
+struct Q8Row {
+    __m512i xv, start;  // x, and -128 x summed per 4 bytes
+    __m512 s;           // the blocks' scales, 8 lanes each
+};
+// Q8_STEP blocks of an int8 row from p (one, where `blocks`, those left, is 1)
+inline __m512i q8_load(const int8_t* p, int64_t blocks) {
+    return _mm512_maskz_loadu_epi8(blocks >= 2 ? ~0ULL : 0xFFFFFFFFULL, p);
+}
+inline Q8Bytes q8_weights(const int8_t* w, int64_t blocks) {
+    return _mm512_xor_si512(q8_load(w, blocks), _mm512_set1_epi8((char)0x80));  // w + 128, as u8
+}
+inline Q8Row q8_row(const int8_t* xq, const float* xs, int64_t blocks) {
+    const __m512i xv = q8_load(xq, blocks), zero = _mm512_setzero_si512();
+    const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)0x80), xv));
+    return {xv, start, _mm512_insertf32x8(_mm512_set1_ps(xs[0]), _mm256_set1_ps(blocks >= 2 ? xs[1] : 0.0f), 1)};
+}
+inline Q8Acc q8_madd(const Q8Row& x, Q8Bytes w, Q8Acc acc) {
+    return _mm512_fmadd_ps(x.s, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(x.start, w, x.xv)), acc);
+}
+inline float q8_sum(Q8Acc acc) { return _mm512_reduce_add_ps(acc); }
+#else
+using Q8Acc = __m256;
+using Q8Bytes = __m256i;
+constexpr int64_t Q8_STEP = 1;
+constexpr int Q8_ROWS = 2;  // input rows a dot4_q8 tile takes at once (8 accumulators of 16 registers)
+struct Q8Row {
+    __m256i xv, ax;  // x, |x|
+    __m256 s;        // the block's scale
+};
+inline Q8Bytes q8_weights(const int8_t* w, int64_t) { return _mm256_loadu_si256((const __m256i*)w); }
+inline Q8Row q8_row(const int8_t* xq, const float* xs, int64_t) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)xq);
+    return {xv, _mm256_sign_epi8(xv, xv), _mm256_set1_ps(xs[0])};
+}
+inline Q8Acc q8_madd(const Q8Row& x, Q8Bytes w, Q8Acc acc) {
+    const __m256i pairs = _mm256_maddubs_epi16(x.ax, _mm256_sign_epi8(w, x.xv));
+    return _mm256_fmadd_ps(x.s, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1))), acc);
+}
+inline float q8_sum(Q8Acc acc) { return hsum(acc); }
+#endif
+
+// out[m * 4 + i] = sum over blocks j of xs[m][j] * (xq[m] . w[i]) over block j's 32 values, for
+// MT input rows m (xq, xs: rows K and K / 32 apart) and the four int8 rows w[i] = w0 + i * stride;
+// K a multiple of 32. Each step loads the four rows' bytes once for all MT input rows (decoding
+// takes a tile of its few rows, a prompt Q8_ROWS at a time).
+template <int MT>
 inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t stride, int64_t K, bool prefetch,
                     float* out) {
-    const int8_t *w1 = w0 + stride, *w2 = w1 + stride, *w3 = w2 + stride;
+    const int8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
     const int64_t nb = K / 32;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t j = 0;
-#ifdef GPT2ATTN_AVX512
-    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-    const __m512i zero = _mm512_setzero_si512();
-    for (; j + 2 <= nb; j += 2) {  // two blocks a step: lanes 0-7 sum block j, lanes 8-15 block j + 1
-        if (prefetch) prefetch4(w0, w1, w2, w3, j * 32), prefetch4(w0, w1, w2, w3, j * 32 + 32);
-        const __m512i xv = _mm512_loadu_si512(xq + 32 * j);
-        const __mmask64 negative = _mm512_movepi8_mask(xv);
-        const __m512i ax = _mm512_abs_epi8(xv);
-        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(xs[j]), _mm256_set1_ps(xs[j + 1]), 1);
-#define GPT2ATTN_Q8_512(acc, row)                                                                        \
-    {                                                                                                    \
-        const __m512i w = _mm512_loadu_si512(row + 32 * j);                                              \
-        const __m512i d = _mm512_dpbusd_epi32(zero, ax, _mm512_mask_sub_epi8(w, negative, zero, w));     \
-        acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), acc);                                            \
+    Q8Acc acc[MT][4] = {};
+    for (int64_t j = 0; j < nb; j += Q8_STEP) {
+        if (prefetch)
+            for (int64_t b = 0; b < Q8_STEP; b++) prefetch4(w[0], w[1], w[2], w[3], (j + b) * 32);
+        Q8Bytes wv[4];
+        for (int i = 0; i < 4; i++) wv[i] = q8_weights(w[i] + 32 * j, nb - j);
+        for (int m = 0; m < MT; m++) {
+            const Q8Row x = q8_row(xq + m * K + 32 * j, xs + m * nb + j, nb - j);
+            for (int i = 0; i < 4; i++) acc[m][i] = q8_madd(x, wv[i], acc[m][i]);
+        }
     }
-        GPT2ATTN_Q8_512(b0, w0) GPT2ATTN_Q8_512(b1, w1) GPT2ATTN_Q8_512(b2, w2) GPT2ATTN_Q8_512(b3, w3)
-#undef GPT2ATTN_Q8_512
-    }
-#endif
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (; j < nb; j++) {
-        if (prefetch) prefetch4(w0, w1, w2, w3, j * 32);
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + 32 * j));
-        const __m256i ax = _mm256_sign_epi8(xv, xv);
-        const __m256 s = _mm256_set1_ps(xs[j]);
-#define GPT2ATTN_Q8_256(acc, row)                                                                        \
-    {                                                                                                    \
-        const __m256i w = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(row + 32 * j)), xv);      \
-        acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, w), ones)), acc); \
-    }
-        GPT2ATTN_Q8_256(a0, w0) GPT2ATTN_Q8_256(a1, w1) GPT2ATTN_Q8_256(a2, w2) GPT2ATTN_Q8_256(a3, w3)
-#undef GPT2ATTN_Q8_256
-    }
-    sum4(out, a0, a1, a2, a3);
-#ifdef GPT2ATTN_AVX512
-    add4(out, b0, b1, b2, b3);
-#endif
+    for (int m = 0; m < MT; m++)
+        for (int i = 0; i < 4; i++) out[m * 4 + i] = q8_sum(acc[m][i]);
 }
 
 // Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py): each row K/256 super-blocks of 144
