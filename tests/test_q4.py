@@ -237,10 +237,20 @@ def test_q4_generates_alike_through_the_step_the_modules_and_the_references(monk
         references = model.generate(prompt, max_new_tokens=12, eos_token_id=None, output_scores=True,
                                     return_dict_in_generate=True)
     # the same sums to fp32 rounding, but an input rounded to int8 differently (a value at a
-    # half-step) moves the logits by up to about 1.5% (measured on this model): the tokens agree
+    # half-step) moves the logits by up to about 1.5% (measured on this model): the tokens agree,
+    # except where the two best logits are closer than that (then the paths may part there, and
+    # from there on their logits are of different sequences)
+    T = prompt.size(1)
     for other in (modules, references):
-        assert torch.equal(fused.sequences, other.sequences)
-        assert relative(torch.stack(fused.scores), torch.stack(other.scores)) < 0.03
+        parted = (fused.sequences[:, T:] != other.sequences[:, T:]).nonzero()  # (n, 2): row, step
+        steps = len(fused.scores) if len(parted) == 0 else int(parted[:, 1].min())
+        assert steps >= 3, "the paths part within three tokens"
+        assert torch.equal(fused.sequences[:, : T + steps], other.sequences[:, : T + steps])
+        assert relative(torch.stack(fused.scores[:steps]), torch.stack(other.scores[:steps])) < 0.03
+        if steps < len(fused.scores):
+            row = int(parted[parted[:, 1] == steps][0, 0])
+            best = fused.scores[steps][row].topk(2).values
+            assert best[0] - best[1] < 0.03 * fused.scores[steps][row].abs().max(), "they part where no tie is"
 
 
 @torch.no_grad()
