@@ -317,4 +317,9 @@ def test_the_step_equals_the_modules_at_gpt2_small_shapes():
     model = randomize(GPT2LMHeadModel(cfg), seed=3, std=0.02).eval().quantize("q4")
     assert type(model.transformer.h[0].mlp.c_proj) is Q4Linear  # (h[1]'s is int8: the last eighth)
     expected, got, ref_cache, cache = both_ways(model, 2, prompt_len=12)
-    assert relative(got, expected) < 1e-4 and max_diff(cache.block, ref_cache.block) < 1e-5
+    # the inputs are rounded to int8 per 32 values as in mode int8: where the step's LayerNorm and
+    # torch's differ in the last bit, a value at a half-step rounds the other way and the logits move
+    # by about 1%, and the keys and values after it too (test_decode_step's int8 case measures it);
+    # the products' own sums are checked to fp32 rounding by the kernel tests
+    assert relative(got, expected) < 0.05
+    assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < 0.05
