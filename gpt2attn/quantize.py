@@ -216,7 +216,7 @@ class Int8Linear(PackedLinear):
     `Int8Linear(weight (out, in), bias)` quantizes an nn.Linear's weight; conv=True takes a
     Conv1D's (in, out)."""
 
-    prefill_kernel = "decode's, a prompt's rows in tiles"
+    prefill_kernel = "gpt2attn int8 rows, a tile of rows at a time (input in blocks of 32)"
     decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
     decode_reference = "the int8 rows' reference, input in blocks of 32"
 

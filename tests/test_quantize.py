@@ -31,7 +31,7 @@ def test_every_conv1d_and_the_head_become_int8_under_their_names(models):
     conv_names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     assert sorted(quantized) == sorted(conv_names + ["lm_head"]) and len(conv_names) == 4 * 2
     assert all(isinstance(q.get_submodule(n), Int8Linear) and q.get_submodule(n).conv for n in conv_names)
-    assert all(value.endswith("prefill: decode's, a prompt's rows in tiles") for value in quantized.values())
+    assert all(value.endswith("prefill: gpt2attn int8 rows, a tile of rows at a time (input in blocks of 32)") for value in quantized.values())
 
 
 def test_int8_logits_stay_close_to_transformers_fp32(models, ids):
