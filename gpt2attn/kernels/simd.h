@@ -207,18 +207,27 @@ inline void q4k_order(const float* x, int64_t n_super, float* out) {
         for (int s = 0; s < 8; s++) memcpy(out + 256 * j + 32 * s, x + 256 * j + 32 * Q4K_ORDER[s], 32 * sizeof(float));
 }
 
-// The eight 6-bit scales (or mins) of a super-block as floats in Q4K_ORDER, from the twelve bytes at `packed`
-inline __m256 q4k_six_bits(const uint8_t* packed, bool mins) {
-    uint32_t u[3];
-    memcpy(u, packed, 12);
-    const uint32_t own = mins ? u[1] : u[0];  // bytes 0-3 (scales) or 4-7 (mins): low 6 bits, then 2 high bits
-    const uint32_t low = own & 0x3f3f3f3fu;
-    const uint32_t high = ((mins ? u[2] >> 4 : u[2]) & 0x0f0f0f0fu) | ((own >> 2) & 0x30303030u);
-    __m128i bytes = _mm_cvtsi64_si128((int64_t)(((uint64_t)high << 32) | low));
+// A super-block's scale part: returns d sc[s] xs[s] for its eight sub-blocks s and adds
+// dmin m[s] xsum[s] to mins (both in Q4K_ORDER, as xs and xsum are). The 6-bit sc and m are
+// unpacked in one vector from the twelve bytes u0, u1, u2 (as 32-bit words) after d and dmin:
+// sc 0-3 are u0's low 6 bits, sc 4-7 u2's low nibbles with u0's top 2 bits above them; the mins
+// the same from u1 and u2's high nibbles.
+inline __m256 q4k_scales(const uint8_t* block, const float* xs, const float* xsum, __m256& mins) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)block);                  // d and dmin, u0, u1, u2
+    const __m128i own = _mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 2, 1, 1));         // u0 u0 u1 u1
+    const __m128i nibbles = _mm_shuffle_epi32(raw, _MM_SHUFFLE(3, 3, 3, 3));     // u2 u2 u2 u2
+    __m128i bytes = _mm_or_si128(  // sc 0-3, sc 4-7, m 0-3, m 4-7
+        _mm_and_si128(_mm_srlv_epi32(own, _mm_setr_epi32(0, 2, 0, 2)),
+                      _mm_setr_epi32(0x3f3f3f3f, 0x30303030, 0x3f3f3f3f, 0x30303030)),
+        _mm_and_si128(_mm_srlv_epi32(nibbles, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f)));
 #ifdef GPT2ATTN_AVX512
-    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // Q4K_ORDER
+    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));  // Q4K_ORDER
 #endif
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m128 d_dmin = _mm_cvtph_ps(raw);  // d, dmin, (two halves of u0)
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+    mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)), m), _mm256_loadu_ps(xsum), mins);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_broadcastss_ps(d_dmin), sc), _mm256_loadu_ps(xs));
 }
 
 // One Q4_K super-block of one row times x's 256 values there (xq, its blocks in Q4K_ORDER, with
@@ -229,11 +238,7 @@ inline __m256 q4k_six_bits(const uint8_t* packed, bool mins) {
 #ifdef GPT2ATTN_AVX512
 inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m512& acc,
                       __m256& mins) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
-    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
-    const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs));
-    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
-    const __m512 scale16 = _mm512_castps256_ps512(scale);
+    const __m512 scale16 = _mm512_castps256_ps512(q4k_scales(block, xs, xsum, mins));
     const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const uint8_t* qs = block + 16;
     for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
@@ -251,11 +256,8 @@ inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, c
 #else
 inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m256& acc,
                       __m256& mins) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
-    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
     alignas(32) float scale[8];
-    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs)));
-    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
+    _mm256_store_ps(scale, q4k_scales(block, xs, xsum, mins));
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const uint8_t* qs = block + 16;
     for (int c = 0; c < 4; c++) {
