@@ -335,14 +335,15 @@ struct Products {
             for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
                 for (int64_t b = 0; b < B; b++) {
                     gpt2attn::Q4KAcc acc{};
+                    __m256 mins = _mm256_setzero_ps();
                     for (int64_t j = 0; j < K / 256; j++) {
                         const uint8_t* block = w + r * row_bytes + j * gpt2attn::Q4K_BYTES;
                         __m256 scale, min;
                         gpt2attn::q4k_scales(block, scale, min);
                         gpt2attn::q4k_accumulate(gpt2attn::q4k_levels(block), scale, min, xq_mine + b * K + 256 * j,
-                                                 xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc);
+                                                 xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc, mins);
                     }
-                    mine[b * n + r - r0] = gpt2attn::q4k_sum(acc);
+                    mine[b * n + r - r0] = gpt2attn::q4k_sum(acc) - hsum(mins);
                 }
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);

@@ -230,10 +230,10 @@ inline void q4k_scales(const uint8_t* block, __m256& scale, __m256& min) {
 
 // A super-block's 256 levels unpacked to bytes (q4k_levels), and its products with x's 256 values
 // there (q4k_accumulate: xq, its blocks in Q4K_ORDER, with the block scales xs (8) and sums xsum
-// (8) in that order too): acc += sum over sub-blocks s of scale[s] xs[s] (xq . levels) - min[s]
-// xsum[s]. On AVX-512 each 64 bytes of levels give two VNNI vpdpbusd (u8 levels times s8 x), of
-// the low nibbles and of the high, each's lanes 0-7 summing one sub-block and 8-15 another; on
-// AVX2 maddubs per 32.
+// (8) in that order too): acc += sum over sub-blocks s of scale[s] xs[s] (xq . levels), and
+// mins += min[s] xsum[s] (subtracted at the end). On AVX-512 each 64 bytes of levels give two
+// VNNI vpdpbusd (u8 levels times s8 x), of the low nibbles and of the high, each's lanes 0-7
+// summing one sub-block and 8-15 another; on AVX2 maddubs per 32.
 #ifdef GPT2ATTN_AVX512
 using Q4KAcc = __m512;
 struct Q4KLevels {
@@ -249,9 +249,9 @@ inline Q4KLevels q4k_levels(const uint8_t* block) {
     return q;
 }
 inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
-                           const float* xsum, __m512& acc) {
+                           const float* xsum, __m512& acc, __m256& mins) {
     const __m512 scale16 = _mm512_castps256_ps512(_mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
-    acc = _mm512_fnmadd_ps(_mm512_zextps256_ps512(min), _mm512_zextps256_ps512(_mm256_loadu_ps(xsum)), acc);
+    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
     const __m512i zero = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
         const __m512i dot_low = _mm512_dpbusd_epi32(zero, q.v[2 * h], _mm512_loadu_si512(xq + 128 * h));
@@ -279,10 +279,10 @@ inline Q4KLevels q4k_levels(const uint8_t* block) {
     return q;
 }
 inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
-                           const float* xsum, __m256& acc) {
+                           const float* xsum, __m256& acc, __m256& mins) {
     alignas(32) float scaled[8];
     _mm256_store_ps(scaled, _mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
-    acc = _mm256_fnmadd_ps(min, _mm256_loadu_ps(xsum), acc);
+    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int s = 0; s < 8; s++) {  // sub-block s: the low nibbles of 32 bytes, then their high
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q.v[s], _mm256_loadu_si256((const __m256i*)(xq + 32 * s))), ones);
@@ -302,8 +302,9 @@ inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64
     const uint8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
     const int64_t nb = K / 32;
     Q4KAcc acc[NB][4];
+    __m256 mins[NB][4];
     for (int b = 0; b < NB; b++)
-        for (int i = 0; i < 4; i++) acc[b][i] = Q4KAcc{};
+        for (int i = 0; i < 4; i++) acc[b][i] = Q4KAcc{}, mins[b][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < K / 256; j++) {
         if (prefetch)
             for (int64_t part = 0; part < Q4K_BYTES; part += 48) prefetch4(w[0], w[1], w[2], w[3], j * Q4K_BYTES + part);
@@ -313,11 +314,12 @@ inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64
             q4k_scales(block, scale, min);
             const Q4KLevels q = q4k_levels(block);
             for (int b = 0; b < NB; b++)
-                q4k_accumulate(q, scale, min, xq + b * K + 256 * j, xs + b * nb + 8 * j, xsum + b * nb + 8 * j, acc[b][i]);
+                q4k_accumulate(q, scale, min, xq + b * K + 256 * j, xs + b * nb + 8 * j, xsum + b * nb + 8 * j, acc[b][i],
+                               mins[b][i]);
         }
     }
     for (int b = 0; b < NB; b++)
-        for (int i = 0; i < 4; i++) out[4 * b + i] = q4k_sum(acc[b][i]);
+        for (int i = 0; i < 4; i++) out[4 * b + i] = q4k_sum(acc[b][i]) - hsum(mins[b][i]);
 }
 
 // dot4_q4k for B rows of x (out (B, 4)), four at a time
