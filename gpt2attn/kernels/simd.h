@@ -192,7 +192,7 @@ inline void block_sums_q8(const int8_t* xq, const float* xs, int64_t n_blocks, f
     }
 }
 
-// The order in which a q4k_block reads the eight sub-blocks of x (and their scales): on AVX-512,
+// The order in which q4k_accumulate reads the eight sub-blocks of x (and their scales): on AVX-512,
 // 64 bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3
 // (5 and 7), so x's blocks are laid out in that order first (q4k_order); on AVX2, as they are.
 #ifdef GPT2ATTN_AVX512
