@@ -373,31 +373,26 @@ struct Products {
         gpt2attn::block_sums_q8(xq_mine, xs_mine, B * nb, xsum_mine);
         const uint8_t* w = (const uint8_t*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
+        float* out = xorder.data() + omp_get_thread_num() * B * max_k;  // (B, 4): x_mine is read no more
         for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
-            float out[4];
-            for (int64_t i = 0; i < q; i++)
-                for (int64_t b = 0; b < B; b++) {
-                    dot4_q4k(xq_mine + b * K, xs_mine + b * nb, xsum_mine + b * nb, w + (r0 + i) * row_bytes,
-                             q * row_bytes, K, b == 0, out);
-                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[j];
-                }
+            for (int64_t i = 0; i < q; i++) {
+                dot4_q4k(xq_mine, xs_mine, xsum_mine, B, K, w + (r0 + i) * row_bytes, q * row_bytes, out);
+                for (int64_t b = 0; b < B; b++)
+                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[4 * b + j];
+            }
             for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
                 for (int64_t b = 0; b < B; b++) {
-#ifdef GPT2ATTN_AVX512
-                    __m512 acc = _mm512_setzero_ps();
-#else
-                    __m256 acc = _mm256_setzero_ps();
-#endif
+                    gpt2attn::Q4KAcc acc{};
                     __m256 mins = _mm256_setzero_ps();
-                    for (int64_t j = 0; j < K / 256; j++)
-                        gpt2attn::q4k_block(w + r * row_bytes + j * gpt2attn::Q4K_BYTES, xq_mine + b * K + 256 * j,
-                                            xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc, mins);
-#ifdef GPT2ATTN_AVX512
-                    mine[b * n + r - r0] = _mm512_reduce_add_ps(acc) - hsum(mins);
-#else
-                    mine[b * n + r - r0] = hsum(acc) - hsum(mins);
-#endif
+                    for (int64_t j = 0; j < K / 256; j++) {
+                        const uint8_t* block = w + r * row_bytes + j * gpt2attn::Q4K_BYTES;
+                        __m256 scale, min;
+                        gpt2attn::q4k_scales(block, scale, min);
+                        gpt2attn::q4k_accumulate(gpt2attn::q4k_levels(block), scale, min, xq_mine + b * K + 256 * j,
+                                                 xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc, mins);
+                    }
+                    mine[b * n + r - r0] = gpt2attn::q4k_sum(acc) - hsum(mins);
                 }
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);

@@ -223,7 +223,7 @@ inline void block_sums_q8(const int8_t* xq, const float* xs, int64_t n_blocks, f
     }
 }
 
-// The order in which a q4k_block reads the eight sub-blocks of x (and their scales): on AVX-512,
+// The order in which q4k_accumulate reads the eight sub-blocks of x (and their scales): on AVX-512,
 // 64 bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3
 // (5 and 7), so x's blocks are laid out in that order first (q4k_order); on AVX2, as they are.
 #ifdef GPT2ATTN_AVX512
@@ -238,40 +238,55 @@ inline void q4k_order(const float* x, int64_t n_super, float* out) {
         for (int s = 0; s < 8; s++) memcpy(out + 256 * j + 32 * s, x + 256 * j + 32 * Q4K_ORDER[s], 32 * sizeof(float));
 }
 
-// The eight 6-bit scales (or mins) of a super-block as floats in Q4K_ORDER, from the twelve bytes at `packed`
-inline __m256 q4k_six_bits(const uint8_t* packed, bool mins) {
-    uint32_t u[3];
-    memcpy(u, packed, 12);
-    const uint32_t own = mins ? u[1] : u[0];  // bytes 0-3 (scales) or 4-7 (mins): low 6 bits, then 2 high bits
-    const uint32_t low = own & 0x3f3f3f3fu;
-    const uint32_t high = ((mins ? u[2] >> 4 : u[2]) & 0x0f0f0f0fu) | ((own >> 2) & 0x30303030u);
-    __m128i bytes = _mm_cvtsi64_si128((int64_t)(((uint64_t)high << 32) | low));
+// A super-block's scales without x: scale[s] = d sc[s] and min[s] = dmin m[s] for its eight
+// sub-blocks s, in Q4K_ORDER. The 6-bit sc and m are unpacked in one vector from the twelve bytes
+// u0, u1, u2 (as 32-bit words) after d and dmin: sc 0-3 are u0's low 6 bits, sc 4-7 u2's low
+// nibbles with u0's top 2 bits above them; the mins the same from u1 and u2's high nibbles.
+inline void q4k_scales(const uint8_t* block, __m256& scale, __m256& min) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)block);                  // d and dmin, u0, u1, u2
+    const __m128i own = _mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 2, 1, 1));         // u0 u0 u1 u1
+    const __m128i nibbles = _mm_shuffle_epi32(raw, _MM_SHUFFLE(3, 3, 3, 3));     // u2 u2 u2 u2
+    __m128i bytes = _mm_or_si128(  // sc 0-3, sc 4-7, m 0-3, m 4-7
+        _mm_and_si128(_mm_srlv_epi32(own, _mm_setr_epi32(0, 2, 0, 2)),
+                      _mm_setr_epi32(0x3f3f3f3f, 0x30303030, 0x3f3f3f3f, 0x30303030)),
+        _mm_and_si128(_mm_srlv_epi32(nibbles, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f)));
 #ifdef GPT2ATTN_AVX512
-    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // Q4K_ORDER
+    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));  // Q4K_ORDER
 #endif
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m128 d_dmin = _mm_cvtph_ps(raw);  // d, dmin, (two halves of u0)
+    scale = _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes))));
 }
 
-// One Q4_K super-block of one row times x's 256 values there (xq, its blocks in Q4K_ORDER, with
-// the block scales xs (8) and sums xsum (8) in that order too): adds the scaled products to acc
-// and the mins' part to mins (subtracted at the end). On AVX-512 each 64 bytes of levels give two
-// VNNI vpdpbusd (u8 nibbles times s8 x), of the low nibbles and of the high, each's lanes 0-7
+// A super-block's 256 levels unpacked to bytes (q4k_levels), and its products with x's 256 values
+// there (q4k_accumulate: xq, its blocks in Q4K_ORDER, with the block scales xs (8) and sums xsum
+// (8) in that order too): acc += sum over sub-blocks s of scale[s] xs[s] (xq . levels), and
+// mins += min[s] xsum[s] (subtracted at the end). On AVX-512 each 64 bytes of levels give two
+// VNNI vpdpbusd (u8 levels times s8 x), of the low nibbles and of the high, each's lanes 0-7
 // summing one sub-block and 8-15 another; on AVX2 maddubs per 32.
 #ifdef GPT2ATTN_AVX512
-inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m512& acc,
-                      __m256& mins) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
-    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
-    const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs));
-    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
-    const __m512 scale16 = _mm512_castps256_ps512(scale);
-    const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const uint8_t* qs = block + 16;
+using Q4KAcc = __m512;
+struct Q4KLevels {
+    __m512i v[4];  // the low nibbles of bytes 0-63, their high nibbles, the same of bytes 64-127
+};
+inline Q4KLevels q4k_levels(const uint8_t* block) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    Q4KLevels q;
+    for (int h = 0; h < 2; h++) {
+        const __m512i raw = _mm512_loadu_si512(block + 16 + 64 * h);
+        q.v[2 * h] = _mm512_and_si512(raw, low4), q.v[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    }
+    return q;
+}
+inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
+                           const float* xsum, __m512& acc, __m256& mins) {
+    const __m512 scale16 = _mm512_castps256_ps512(_mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
+    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
+    const __m512i zero = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
-        const __m512i raw = _mm512_loadu_si512(qs + 64 * h);
-        const __m512i dot_low = _mm512_dpbusd_epi32(zero, _mm512_and_si512(raw, low4), _mm512_loadu_si512(xq + 128 * h));
-        const __m512i dot_high = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
-                                                     _mm512_loadu_si512(xq + 128 * h + 64));
+        const __m512i dot_low = _mm512_dpbusd_epi32(zero, q.v[2 * h], _mm512_loadu_si512(xq + 128 * h));
+        const __m512i dot_high = _mm512_dpbusd_epi32(zero, q.v[2 * h + 1], _mm512_loadu_si512(xq + 128 * h + 64));
         const int s = 4 * h;  // in Q4K_ORDER: the low nibbles' sub-blocks at s, s + 1, the high ones' at s + 2, s + 3
         const __m512i low_which = _mm512_set_epi32(s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s);
         const __m512i high_which = _mm512_add_epi32(low_which, _mm512_set1_epi32(2));
@@ -279,50 +294,79 @@ inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, c
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high), _mm512_permutexvar_ps(high_which, scale16), acc);
     }
 }
+inline float q4k_sum(__m512 acc) { return _mm512_reduce_add_ps(acc); }
 #else
-inline void q4k_block(const uint8_t* block, const int8_t* xq, const float* xs, const float* xsum, __m256& acc,
-                      __m256& mins) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)block));
-    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t*)(block + 2)));
-    alignas(32) float scale[8];
-    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_mul_ps(d, q4k_six_bits(block + 4, false)), _mm256_loadu_ps(xs)));
-    mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, q4k_six_bits(block + 4, true)), _mm256_loadu_ps(xsum), mins);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const uint8_t* qs = block + 16;
+using Q4KAcc = __m256;
+struct Q4KLevels {
+    __m256i v[8];  // for each 32 bytes, its low nibbles and its high
+};
+inline Q4KLevels q4k_levels(const uint8_t* block) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    Q4KLevels q;
     for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        const __m256i low = _mm256_and_si256(raw, low4), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-        const __m256i dot_low = _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i*)(xq + 64 * c))), ones);
-        const __m256i dot_high = _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32))), ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), _mm256_set1_ps(scale[2 * c]), acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), _mm256_set1_ps(scale[2 * c + 1]), acc);
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(block + 16 + 32 * c));
+        q.v[2 * c] = _mm256_and_si256(raw, low4), q.v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    }
+    return q;
+}
+inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
+                           const float* xsum, __m256& acc, __m256& mins) {
+    alignas(32) float scaled[8];
+    _mm256_store_ps(scaled, _mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
+    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int s = 0; s < 8; s++) {  // sub-block s: the low nibbles of 32 bytes, then their high
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q.v[s], _mm256_loadu_si256((const __m256i*)(xq + 32 * s))), ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scaled[s]), acc);
     }
 }
+inline float q4k_sum(__m256 acc) { return hsum(acc); }
 #endif
 
-// out[i] = x . w[i] for the four Q4_K rows w[i] = w0 + i * stride (bytes), x (K, a multiple of
-// 256) given as xq, xs and xsum (block_sums_q8) of x in Q4K_ORDER (q4k_order); the same sums as
-// the reference in fp32 rounding.
-inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w0, int64_t stride, int64_t K,
+// out[b][i] = x_b . w[i] for the four Q4_K rows w[i] = w0 + i * stride (bytes) and NB rows x_b
+// of x (K, a multiple of 256), given as xq, xs and xsum (block_sums_q8) of x in Q4K_ORDER
+// (q4k_order), row b at xq + b K, xs + b K / 32 and xsum + b K / 32; the same sums as the
+// reference in fp32 rounding. Each super-block of w is unpacked once for the NB rows of x.
+template <int NB>
+inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* w0, int64_t stride,
                      bool prefetch, float* out) {
     const uint8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
-#ifdef GPT2ATTN_AVX512
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-#else
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-#endif
-    __m256 mins[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t nb = K / 32;
+    Q4KAcc acc[NB][4];
+    __m256 mins[NB][4];
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < 4; i++) acc[b][i] = Q4KAcc{}, mins[b][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < K / 256; j++) {
         if (prefetch)
             for (int64_t part = 0; part < Q4K_BYTES; part += 48) prefetch4(w[0], w[1], w[2], w[3], j * Q4K_BYTES + part);
-        for (int i = 0; i < 4; i++) q4k_block(w[i] + j * Q4K_BYTES, xq + 256 * j, xs + 8 * j, xsum + 8 * j, acc[i], mins[i]);
+        for (int i = 0; i < 4; i++) {
+            const uint8_t* block = w[i] + j * Q4K_BYTES;
+            __m256 scale, min;
+            q4k_scales(block, scale, min);
+            const Q4KLevels q = q4k_levels(block);
+            for (int b = 0; b < NB; b++)
+                q4k_accumulate(q, scale, min, xq + b * K + 256 * j, xs + b * nb + 8 * j, xsum + b * nb + 8 * j, acc[b][i],
+                               mins[b][i]);
+        }
     }
-    for (int i = 0; i < 4; i++) {
-#ifdef GPT2ATTN_AVX512
-        out[i] = _mm512_reduce_add_ps(acc[i]) - hsum(mins[i]);
-#else
-        out[i] = hsum(acc[i]) - hsum(mins[i]);
-#endif
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < 4; i++) out[4 * b + i] = q4k_sum(acc[b][i]) - hsum(mins[b][i]);
+}
+
+// dot4_q4k for B rows of x (out (B, 4)), four at a time
+inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64_t B, int64_t K, const uint8_t* w0,
+                     int64_t stride, float* out) {
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < B; b += 4) {
+        const int8_t* q = xq + b * K;
+        const float *s = xs + b * nb, *sum = xsum + b * nb;
+        float* o = out + 4 * b;
+        switch (B - b < 4 ? B - b : 4) {  // the weights asked for ahead once, with the first rows of x
+            case 1: dot4_q4k<1>(q, s, sum, K, w0, stride, b == 0, o); break;
+            case 2: dot4_q4k<2>(q, s, sum, K, w0, stride, b == 0, o); break;
+            case 3: dot4_q4k<3>(q, s, sum, K, w0, stride, b == 0, o); break;
+            default: dot4_q4k<4>(q, s, sum, K, w0, stride, b == 0, o);
+        }
     }
 }
 
