@@ -155,10 +155,14 @@ def twins(**config):
 def test_model_parts_tags_and_dummy_inputs_as_transformers():
     ours, theirs = twins()
     assert ours.get_decoder() is ours.transformer and type(theirs.get_decoder()).__name__ == "GPT2Model"
-    assert ours.get_encoder() is ours and theirs.get_encoder() is theirs
-    assert ours.get_encoder("text") is ours
-    with pytest.raises(ValueError, match=r"^modality='image': GPT-2 reads text only$"):
-        ours.get_encoder("image")
+    for modality in (None, "image", "video", "audio"):  # no encoder of that kind: the model itself, in both
+        assert ours.get_encoder(modality) is ours and theirs.get_encoder(modality) is theirs
+    for modality in ("text", "TEXT", "speech"):  # transformers refuses "text" as it refuses any other name
+        with pytest.raises(ValueError, match="Unnrecognized modality"):
+            theirs.get_encoder(modality)
+        with pytest.raises(ValueError, match=rf"^modality='{modality}': get_encoder takes None, 'image', 'video' "
+                                             r"or 'audio', as in transformers$"):
+            ours.get_encoder(modality)
     assert torch.equal(ours.dummy_inputs["input_ids"], theirs.dummy_inputs["input_ids"])
     assert ours.input_modalities == theirs.input_modalities and ours.output_modalities == theirs.output_modalities
     assert list(ours.named_non_persistent_buffers()) == list(theirs.named_non_persistent_buffers())
