@@ -57,8 +57,8 @@ class AdapterMixin:
         self.set_adapter(adapter_name)
 
     def _adapter_modules(self) -> list[nn.Module]:
-        """The tuner layers and the modules_to_save copies: what set_adapter, disable_adapters and
-        enable_adapters switch together."""
+        """The tuner layers and the modules_to_save wrappers: what disable_adapters and
+        enable_adapters switch on and off together."""
         from peft.utils import ModulesToSaveWrapper
 
         return self._tuner_layers() + [m for m in self.modules() if isinstance(m, ModulesToSaveWrapper)]
