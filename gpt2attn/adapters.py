@@ -57,21 +57,24 @@ class AdapterMixin:
         self.set_adapter(adapter_name)
 
     def _adapter_modules(self) -> list[nn.Module]:
-        """The tuner layers and the modules_to_save copies: what set_adapter, disable_adapters and
-        enable_adapters switch together."""
+        """The tuner layers and the modules_to_save wrappers: what disable_adapters and
+        enable_adapters switch on and off together."""
         from peft.utils import ModulesToSaveWrapper
 
         return self._tuner_layers() + [m for m in self.modules() if isinstance(m, ModulesToSaveWrapper)]
 
     def set_adapter(self, adapter_name: list[str] | str) -> None:
-        """Make these adapters (a name or a list) the active ones, the others inactive."""
-        modules = self._adapter_modules()
+        """Make these adapters (a name or a list) the active ones, the others inactive. A
+        modules_to_save wrapper that holds no copy for them runs its original module, as in PEFT
+        (PEFT's own set_adapter, which switches the wrappers and the tuner layers together)."""
+        from peft.functional import set_adapter
+
+        self._tuner_layers()
         missing = {adapter_name} if isinstance(adapter_name, str) else set(adapter_name)
         missing -= set(self.peft_config)
         if missing:
             raise ValueError(f"adapter(s) {sorted(missing)} not found; loaded adapters: {list(self.peft_config)}")
-        for module in modules:
-            module.set_adapter(adapter_name)
+        set_adapter(self, adapter_name)
 
     def disable_adapters(self) -> None:
         """Run the base model alone (the adapters stay loaded)."""

@@ -179,9 +179,12 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         setattr(self, self.base_model_prefix, decoder)
 
     def get_encoder(self, modality: str | None = None) -> nn.Module:
-        """GPT-2 has no encoder: the model itself, as transformers answers for decoder-only models."""
-        if modality not in (None, "text"):
-            raise ValueError(f"modality={modality!r}: GPT-2 reads text only")
+        """GPT-2 has no encoder: the model itself, as transformers answers for decoder-only models.
+        As there, modality is None or one of "image", "video" and "audio" (a model without such an
+        encoder is its own); anything else, "text" included, is refused."""
+        if modality not in (None, "image", "video", "audio"):
+            raise ValueError(f"modality={modality!r}: get_encoder takes None, 'image', 'video' or 'audio', "
+                             f"as in transformers")
         return self
 
     @property

@@ -48,6 +48,8 @@ CASES = [
     ("no prompt, no bos", dict(input_ids=None, bos_token_id=None), ValueError, "needs input_ids or inputs_embeds"),
     ("embeds width", dict(input_ids=None, inputs_embeds=torch.zeros(1, 3, 5)), ValueError, "inputs_embeds must be a tensor [B, T, n_embd=32]"),
     ("token types shape", dict(token_type_ids=torch.zeros(1, 2, dtype=torch.long)), ValueError, "token_type_ids must have the shape of the prompt"),
+    ("position ids shape", dict(position_ids=torch.arange(2)[None]), ValueError,
+     "position_ids must be (1, 3): one per cached and prompt token, got (1, 2)"),
 ]
 
 
@@ -131,6 +133,9 @@ def test_a_row_of_padding_only_is_an_error(model):
 def test_right_padding_warns_as_transformers_does(model):
     with pytest.warns(UserWarning, match="right-padding was detected"):
         model.generate(PADDED, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]), max_new_tokens=2)
+    with warnings.catch_warnings():  # left padding, the right way: no warning
+        warnings.simplefilter("error")
+        model.generate(PADDED, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), max_new_tokens=2)
 
 
 def test_eos_list_is_supported(model):

@@ -285,6 +285,48 @@ def test_assisted_sampling_keeps_the_models_distribution():
     assert (counts / draws - p_logits[0].softmax(-1)).abs().max() < 0.03  # 4 standard errors at most
 
 
+def test_assisted_sampling_redraws_from_p_minus_q_where_they_differ_only_on_rare_tokens():
+    """After a rejected draft the replacement comes from max(0, p - q) renormalised, even when p and
+    q differ only on tokens of probability 1e-30 (the residual is scaled up to sum to one, not
+    left to underflow): the one token where p > q is the replacement."""
+    from gpt2attn.generation.assisted import accepted
+
+    base = torch.tensor([2.0, 1.0, 0.0, 0.5, -70.0, -70.0])  # tokens 4 and 5: probability about 1e-31
+    q_logits = base.clone()[None]
+    q_logits[0, 4] += 2.3  # the assistant puts 10x the model's probability on token 4 ...
+    p_logits = torch.stack((base, base))
+    p_logits[0, 5] += 2.3  # ... the model 10x the assistant's on token 5; elsewhere p == q
+    guess = torch.tensor([4])  # kept with probability p/q = 0.1
+    g = torch.Generator().manual_seed(0)
+    replaced = [accepted(guess, q_logits, p_logits, do_sample=True, generator=g) for _ in range(20)]
+    rejected = [t for t in replaced if t.numel() == 1]
+    assert len(rejected) >= 10 and all(int(t[0]) == 5 for t in rejected)
+
+
+@pytest.mark.parametrize("vocab", [3, 50257])
+def test_prompt_lookup_drafts_as_transformers(vocab):
+    """draft_from_prompt proposes what transformers' PromptLookupCandidateGenerator proposes (no
+    processors, no eos): what followed the first earlier match of the longest matching n-gram, at
+    most num_tokens; nothing when no n-gram recurs (with GPT-2's vocabulary random text rarely does)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from gpt2attn.generation.assisted import draft_from_prompt
+
+    g = torch.Generator().manual_seed(0)
+    sizes = set()
+    for trial in range(60):
+        L, num_tokens, max_ngram = trial % 12 + 1, trial % 4 + 1, trial % 3 + 1
+        ids = torch.randint(0, vocab, (1, L), generator=g)
+        theirs = PromptLookupCandidateGenerator(num_output_tokens=num_tokens, max_matching_ngram_size=max_ngram,
+                                                max_length=10_000).get_candidates(ids)[0][0, L:]
+        ours, scores = draft_from_prompt(num_tokens, max_ngram)(ids, 10)
+        assert torch.equal(ours, theirs), (ids, num_tokens, max_ngram)
+        assert scores is None
+        assert ours.numel() <= min(num_tokens, 10)
+        sizes.add(ours.numel())
+    assert 0 in sizes and (max(sizes) >= 3 or vocab > 3)  # misses, and (3 tokens) drafts of several tokens
+
+
 def test_assisted_sampling_with_top_k_1_equals_greedy(models):
     """Sampling from one token a step (top_k=1) is greedy decoding: through the assistant's drafts
     (its q one-hot too) and through prompt lookup's, the tokens equal greedy's; seeded runs of a

@@ -155,10 +155,14 @@ def twins(**config):
 def test_model_parts_tags_and_dummy_inputs_as_transformers():
     ours, theirs = twins()
     assert ours.get_decoder() is ours.transformer and type(theirs.get_decoder()).__name__ == "GPT2Model"
-    assert ours.get_encoder() is ours and theirs.get_encoder() is theirs
-    assert ours.get_encoder("text") is ours
-    with pytest.raises(ValueError, match=r"^modality='image': GPT-2 reads text only$"):
-        ours.get_encoder("image")
+    for modality in (None, "image", "video", "audio"):  # no encoder of that kind: the model itself, in both
+        assert ours.get_encoder(modality) is ours and theirs.get_encoder(modality) is theirs
+    for modality in ("text", "TEXT", "speech"):  # transformers refuses "text" as it refuses any other name
+        with pytest.raises(ValueError, match="Unnrecognized modality"):
+            theirs.get_encoder(modality)
+        with pytest.raises(ValueError, match=rf"^modality='{modality}': get_encoder takes None, 'image', 'video' "
+                                             r"or 'audio', as in transformers$"):
+            ours.get_encoder(modality)
     assert torch.equal(ours.dummy_inputs["input_ids"], theirs.dummy_inputs["input_ids"])
     assert ours.input_modalities == theirs.input_modalities and ours.output_modalities == theirs.output_modalities
     assert list(ours.named_non_persistent_buffers()) == list(theirs.named_non_persistent_buffers())
@@ -308,6 +312,43 @@ def test_disable_and_enable_adapters_switch_a_trained_modules_to_save_copy_too()
     assert max_diff(ours(ids).logits, adapted) == 0
 
 
+@pytest.mark.slow  # peft's import
+def test_an_adapter_without_a_modules_to_save_copy_runs_the_original_module_as_in_peft():
+    """After an adapter with a trained modules_to_save copy of lm_head, a second one without a copy
+    can be added; while it is active lm_head runs its original module, as PEFT's PeftModel (on
+    transformers' twin, the same adapter weights) does."""
+    peft = pytest.importorskip("peft")
+    ours, theirs = twins()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    with_copy = dict(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"], init_lora_weights=False)
+    without = dict(r=2, target_modules=["c_fc"], init_lora_weights=False)
+    torch.manual_seed(0)
+    ours.add_adapter(peft.LoraConfig(**with_copy))
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(theirs, peft.LoraConfig(**with_copy)).eval()
+    with torch.no_grad():  # "train" the head's copy, the same on both sides
+        ours.lm_head.modules_to_save["default"].weight.add_(0.5)
+        wrapped.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
+    adapted = ours(ids).logits
+    torch.manual_seed(1)
+    ours.add_adapter(peft.LoraConfig(**without), adapter_name="two")
+    torch.manual_seed(1)
+    wrapped.add_adapter("two", peft.LoraConfig(**without))
+    wrapped.set_adapter("two")
+
+    assert ours.active_adapters() == ["two"]
+    two = ours(ids).logits
+    assert max_diff(two, wrapped(ids).logits) < 1e-5
+    head = ours.transformer(ids).last_hidden_state @ ours.lm_head.original_module.weight.T  # the copy unused
+    assert max_diff(two, head) < 1e-5 and max_diff(two, adapted) > 1e-2
+    ours.disable_adapters()
+    ours.enable_adapters()
+    assert max_diff(ours(ids).logits, two) == 0
+    ours.set_adapter("default")
+    wrapped.set_adapter("default")
+    assert max_diff(ours(ids).logits, adapted) == 0 and max_diff(adapted, wrapped(ids).logits) < 1e-5
+
+
 @pytest.mark.slow
 def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(tmp_path):
     peft = pytest.importorskip("peft")
@@ -317,8 +358,7 @@ def test_deleting_the_last_adapter_gives_back_the_base_model_and_saves_it_whole(
     base = ours(ids).logits
     ours.add_adapter(peft.LoraConfig(r=4, target_modules=["c_attn"], modules_to_save=["lm_head"],
                                      init_lora_weights=False))
-    ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"], modules_to_save=["lm_head"], init_lora_weights=False),
-                     adapter_name="two")
+    ours.add_adapter(peft.LoraConfig(r=2, target_modules=["c_fc"], init_lora_weights=False), adapter_name="two")
     assert max_diff(ours(ids).logits, base) > 1e-2
     ours.delete_adapter(["default", "two"])  # a list: both go, the last one with them
     assert not hasattr(ours, "peft_config") and list(ours.state_dict()) == keys

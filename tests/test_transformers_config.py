@@ -244,3 +244,16 @@ def test_from_pretrained_records_where_the_model_came_from(tmp_path):
     model.add_adapter(peft.LoraConfig(r=2, target_modules=["c_attn"]))
     assert model.peft_config["default"].base_model_name_or_path == str(tmp_path)
     assert GPT2LMHeadModel(tiny_config()).name_or_path == ""
+
+
+def test_generate_takes_embeddings_as_long_as_the_cache_as_the_next_positions():
+    """inputs_embeds of as many positions as are cached are the positions after the cache (the
+    whole-sequence form above needs more positions than are cached): the tokens generate gives for
+    the whole prompt as ids."""
+    torch.manual_seed(0)
+    model = randomize(GPT2LMHeadModel(tiny_config())).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    kw = dict(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=4)
+    past = model(ids[:, :3]).past_key_values
+    after = model.generate(inputs_embeds=model.transformer.wte(ids[:, 3:]).detach(), past_key_values=past, **kw)
+    assert torch.equal(after, model.generate(ids, **kw)[:, 6:])
