@@ -160,6 +160,15 @@ def ablation_effects(model, ids: list[int], position: int) -> torch.Tensor:
     return effects
 
 
+def _kernels_available() -> bool:
+    from gpt2attn import kernels
+
+    return kernels.available()
+
+
+needs_kernels = pytest.mark.skipif(not _kernels_available(), reason="the CPU kernels cannot run on this machine")
+
+
 @lru_cache(maxsize=None)
 def kernel_builds() -> dict[str, object]:
     """Every build of gpt2attn's CPU kernels this CPU can run, by name ('avx2', 'avx512'), loaded;
@@ -171,3 +180,4 @@ def kernel_builds() -> dict[str, object]:
     wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= kernels._cpu_flags() else []
     return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags, []))))
             for name, flags in zip(("avx2", "avx512"), [kernels.FLAGS] + wide)}
+

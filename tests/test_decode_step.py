@@ -18,9 +18,8 @@ from gpt2attn.decode_step import DecodeStep
 from gpt2attn.generation import decoder as D
 from gpt2attn.layers import no_tap
 from gpt2attn.quantize import DECODE_ROWS
-from helpers import hf_twin, kernel_builds, max_diff, num_threads, randomize, tiny_config
+from helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels cannot run on this machine")
 MODES = ["plain", "fp32", "fp16", "bf16", "int8"]  # plain: the model as loaded, no quantize() call
 
 

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, kernels
-from helpers import kernel_builds, randomize, tiny_config
+from helpers import kernel_builds, needs_kernels, randomize, tiny_config
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels cannot run on this machine")
 TESTS = Path(__file__).resolve().parent
 
 

@@ -15,9 +15,8 @@ import torch
 from gpt2attn import GPT2LMHeadModel, kernels
 from gpt2attn.quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
 from gpt2attn.quantize import kernels as layer_kernels
-from helpers import hf_twin, kernel_builds, max_diff, num_threads, randomize, tiny_config
+from helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels cannot run on this machine")
 G = torch.Generator().manual_seed(0)
 GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
 VOCAB = 50257  # the head's N: more than any block's width
@@ -25,15 +24,6 @@ VOCAB = 50257  # the head's N: more than any block's width
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return max_diff(a, b) / b.abs().max().item()
-
-
-@pytest.fixture(params=sorted(kernel_builds()) or [pytest.param(None, marks=needs_kernels)])
-def build(request, monkeypatch):
-    """Each build this CPU can run in turn, as kernels.library(), on 2 threads."""
-    lib = kernel_builds()[request.param]
-    monkeypatch.setattr(kernels, "library", lambda: lib)
-    with num_threads(2):
-        yield request.param
 
 
 @pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])

@@ -13,9 +13,8 @@ import torch
 from gpt2attn import GPT2LMHeadModel, kernels, q4_k
 from gpt2attn.formats import gguf
 from gpt2attn.quantize import Int8Linear, Q4Linear
-from helpers import kernel_builds, max_diff, num_threads, randomize, shared_data, tiny_config
+from helpers import max_diff, needs_kernels, num_threads, randomize, shared_data, tiny_config
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels cannot run on this machine")
 GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
 VOCAB = 50257
 
@@ -153,15 +152,6 @@ def test_the_scale_search_beats_min_max_rounding():
 def test_rows_of_other_lengths_are_refused():
     with pytest.raises(ValueError, match="multiple of 256"):
         q4_k.quantize_rows(torch.zeros(4, 1600))
-
-
-@pytest.fixture(params=sorted(kernel_builds()) or [pytest.param(None, marks=needs_kernels)])
-def build(request, monkeypatch):
-    """Each build this CPU can run in turn, as kernels.library(), on 2 threads."""
-    lib = kernel_builds()[request.param]
-    monkeypatch.setattr(kernels, "library", lambda: lib)
-    with num_threads(2):
-        yield request.param
 
 
 @pytest.mark.parametrize("B", [1, 3, 6, 8])  # the kernel takes x's rows four at a time: 3, 6 = 4 + 2, 8 = 4 + 4
