@@ -250,9 +250,9 @@ def test_cpu_bf16_report_reads_the_cpu_flags(monkeypatch, flags, native):
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "bf16 native"])
 def test_each_mode_computes_x_times_its_rounded_weight_for_steps_and_prompts(mode, monkeypatch):
     """A Conv1D (in, out) and the untied head (out, in), each as x W + b with the fp32 weight rounded
-    to the mode's dtype, for a decoding step's few rows and a prompt's many; "bf16 native": the
-    oneDNN prompt path, whose input and output are rounded to bf16 too. The CPU flags are the
-    test's (torch emulates bf16 products where the CPU lacks them)."""
+    to the mode's dtype, for a decoding step's few rows (up to DECODE_ROWS) and a prompt's many;
+    "bf16 native": the oneDNN prompt path, whose input and output are rounded to bf16 too. The CPU
+    flags are the test's (torch emulates bf16 products where the CPU lacks them)."""
     import gpt2attn.quantize as Q
 
     monkeypatch.setattr(Q, "_cpu_flags", lambda: {"avx512_bf16"} if mode == "bf16 native" else {"avx2"})
@@ -265,7 +265,7 @@ def test_each_mode_computes_x_times_its_rounded_weight_for_steps_and_prompts(mod
         w = fp32.weight.to(dtype).float()
         w = w if name != "lm_head" else w.t()  # (in, out)
         bias = torch.zeros(w.size(1)) if fp32.bias is None else fp32.bias
-        for rows in (3, 20):
+        for rows in (3, Q.DECODE_ROWS, 20):  # a step's rows, as many as a step takes, a prompt's
             x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
             if mode == "bf16 native" and rows > Q.DECODE_ROWS:
                 want = (x.to(dtype).float() @ w).to(dtype).float() + bias
