@@ -313,3 +313,21 @@ def test_the_step_equals_the_modules_at_gpt2_small_shapes():
     # the products' own sums are checked to fp32 rounding by the kernel tests
     assert relative(got, expected) < 0.05
     assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < 0.05
+
+
+@torch.no_grad()
+def test_a_q4_layer_off_the_kernels_multiplies_by_its_dequantized_weight(monkeypatch):
+    """Inputs the kernels do not take (fp64 here) and torch.compile's tracing (the flag set by the
+    test) get x Wᵀ + b on the dequantized weight, in the input's dtype."""
+    weight = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
+    layer = Q4Linear(weight, None)  # an nn.Linear's (out, in), no bias
+    x = torch.randn(3, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = layer(x)
+    assert got.dtype == torch.float64
+    assert relative(got, x @ q4_k.dequantize_rows(layer.blocks, 256).double().t()) < 1e-12
+
+    _, model = q4_model()
+    layer = model.transformer.h[1].mlp.c_fc  # a Conv1D made Q4Linear: 256 -> 1024, with a bias
+    x = x.float()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert relative(layer(x), x @ q4_k.dequantize_rows(layer.blocks, 256).t() + layer.bias) < 1e-5

@@ -244,3 +244,46 @@ def test_cpu_bf16_report_reads_the_cpu_flags(monkeypatch, flags, native):
         assert sentence.startswith(f"this CPU has {' and '.join(native)} (torch capability ")
     else:
         assert sentence.startswith("this CPU has neither amx_bf16 nor avx512_bf16")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "bf16 native"])
+def test_each_mode_computes_x_times_its_rounded_weight_for_steps_and_prompts(mode, monkeypatch):
+    """A Conv1D (in, out) and the untied head (out, in), each as x W + b with the fp32 weight rounded
+    to the mode's dtype, for a decoding step's few rows (up to DECODE_ROWS) and a prompt's many;
+    "bf16 native": the oneDNN prompt path, whose input and output are rounded to bf16 too. The CPU
+    flags are the test's (torch emulates bf16 products where the CPU lacks them)."""
+    import gpt2attn.quantize as Q
+
+    monkeypatch.setattr(Q, "_cpu_flags", lambda: {"avx512_bf16"} if mode == "bf16 native" else {"avx2"})
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.bfloat16)
+    cfg = tiny_config(n_embd=64, vocab_size=300, tie_word_embeddings=False)
+    plain = randomize(GPT2LMHeadModel(cfg), seed=3, std=0.1).eval()
+    model = copy.deepcopy(plain).quantize(mode.split()[0])
+    for name in ("transformer.h.1.mlp.c_fc", "lm_head"):  # 64 -> 256 (in, out); 64 -> 300 (out, in)
+        fp32 = plain.get_submodule(name)
+        w = fp32.weight.to(dtype).float()
+        w = w if name != "lm_head" else w.t()  # (in, out)
+        bias = torch.zeros(w.size(1)) if fp32.bias is None else fp32.bias
+        for rows in (3, Q.DECODE_ROWS, 20):  # a step's rows, as many as a step takes, a prompt's
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            if mode == "bf16 native" and rows > Q.DECODE_ROWS:
+                want = (x.to(dtype).float() @ w).to(dtype).float() + bias
+            else:
+                want = x @ w + bias
+            assert relative_error(model.get_submodule(name)(x), want) < 1e-5, (name, rows)
+    if mode == "fp32" and Q.cpu_kernels.available():
+        assert kernels(model)["lm_head"].startswith("decode: gpt2attn fp32 rows;")
+        assert kernels(model)["transformer.h.1.mlp.c_fc"].startswith("decode: gpt2attn fp32 cols;")
+
+
+@torch.no_grad()
+def test_a_half_layer_made_directly_takes_an_nn_linear_weight():
+    """HalfLinear(weight (out, in), bias, dtype): conv is False unless asked for."""
+    from gpt2attn.quantize import HalfLinear
+
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    layer = HalfLinear(weight, bias, torch.float16)
+    assert (layer.in_features, layer.out_features) == (32, 48)
+    x = torch.randn(3, 32)
+    assert relative_error(layer(x), x @ weight.half().float().t() + bias) < 1e-5
