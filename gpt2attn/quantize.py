@@ -259,7 +259,8 @@ class Int8Linear(PackedLinear):
     def prefill(self, x: Tensor) -> Tensor:  # the same kernel, a prompt's rows in tiles
         if self._decodes(x):
             return self.decode(x)
-        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
 
 class Q4Linear(PackedLinear):
@@ -292,7 +293,8 @@ class Q4Linear(PackedLinear):
         # copy); torch.compile and other dtypes take the dequantized weight
         if self._decodes(x) and not torch.compiler.is_compiling():
             return self.decode(x)
-        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:

@@ -320,11 +320,13 @@ def test_a_q4_layer_off_the_kernels_multiplies_by_its_dequantized_weight(monkeyp
     """Inputs the kernels do not take (fp64 here) and torch.compile's tracing (the flag set by the
     test) get x Wᵀ + b on the dequantized weight, in the input's dtype."""
     weight = torch.randn(16, 256, generator=torch.Generator().manual_seed(2))
-    layer = Q4Linear(weight, None)  # an nn.Linear's (out, in), no bias
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(4))
     x = torch.randn(3, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    got = layer(x)
-    assert got.dtype == torch.float64
-    assert relative(got, x @ q4_k.dequantize_rows(layer.blocks, 256).double().t()) < 1e-12
+    for b in (None, bias):  # an nn.Linear's (out, in), without and with a bias (fp32, taken to x's dtype)
+        layer = Q4Linear(weight, b)
+        got = layer(x)
+        expected = x @ q4_k.dequantize_rows(layer.blocks, 256).double().t() + (0 if b is None else b.double())
+        assert got.dtype == torch.float64 and relative(got, expected) < 1e-12
 
     _, model = q4_model()
     layer = model.transformer.h[1].mlp.c_fc  # a Conv1D made Q4Linear: 256 -> 1024, with a bias
