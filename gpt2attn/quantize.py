@@ -347,7 +347,7 @@ def release_free_memory() -> None:
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(None)
-    except OSError:  # Windows: no process-wide C library handle
+    except (OSError, TypeError):  # Windows: no process-wide C library handle (CDLL(None) is refused)
         return None
 
 
