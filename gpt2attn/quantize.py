@@ -59,7 +59,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -370,11 +369,5 @@ def cpu_bf16_report() -> tuple[bool, str]:
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to tell here, so no native bf16 is claimed
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+    """This CPU's flags, as the kernels read them (/proc/cpuinfo; none where it is absent)."""
+    return cpu_kernels._cpu_flags()
