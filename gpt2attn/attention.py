@@ -80,3 +80,16 @@ def scaled_dot_product_attention(
     if head_mask is not None:
         weights = weights * head_mask
     return torch.matmul(weights, v), weights
+
+
+def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """The mask the textbook formula uses for `allowed` (bool, True = may attend, (B, 1, T_q, T_k)).
+
+    As it is when every query may see some key. Otherwise additive, as transformers' eager
+    attention builds it: 0 where allowed, else dtype's lowest value, which swamps the scores so
+    that a query seeing no key (left padding, an encoder row of padding alone) spreads equal
+    weights over all keys, with transformers' gradient there too.
+    """
+    if not torch.compiler.is_compiling() and allowed.any(dim=-1).all():
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -22,7 +22,9 @@ from .cache import KVCache, takes_past_key_values
 from .config import PROBLEM_TYPES, GPT2Config, config_value
 from .generation import GenerationMixin
 from .layers import get_activation, init_weights
-from .model import GPT2LMHeadModel, GPT2Model, check_forward_kwargs, lm_loss
+from .inputs import check_forward_kwargs
+from .losses import lm_loss
+from .model import GPT2LMHeadModel, GPT2Model
 from .pretrained import GPT2PreTrainedModel
 from .outputs import DoubleHeadsOutput, QuestionAnsweringOutput, SequenceClassifierOutput, TokenClassifierOutput
 
@@ -74,7 +76,7 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -139,7 +141,7 @@ class GPT2ForTokenClassification(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> TokenClassifierOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -178,7 +180,7 @@ class GPT2ForQuestionAnswering(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> QuestionAnsweringOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=False,
@@ -270,7 +272,7 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel, GenerationMixin):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> DoubleHeadsOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.model)
+        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         lead = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:-1]  # (B, n_choices) or (B,)
 
         def flat(t: Tensor | None) -> Tensor | None:  # (B, n_choices, T, ...) -> (B * n_choices, T, ...)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import causal_mask, scaled_dot_product_attention
+from .attention import causal_mask, padding_mask, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config, check_config, inner_dim
 
@@ -274,51 +274,6 @@ class LMHead(nn.Linear):
             w = self.weight[start : start + step]  # (S, C)
             out[:, start : start + w.size(0)] = torch.mm(w, h.t()).t()
         return out.view(*x.shape[:-1], vocab)
-
-
-def encoder_attention(
-    config: GPT2Config, encoder_hidden_states: Tensor | None, mask: Tensor | None, B: int
-) -> Tensor | None:
-    """Check the encoder's states (B, T_enc, n_embd) and return the mask cross-attention uses.
-
-    A 2-D (B, T_enc) padding mask (1 = token, 0 = padding) becomes a bool (B, 1, 1, T_enc) (a row
-    of padding alone: see Attention.forward); a 4-D one is used as it is; None lets every query see
-    every encoder position.
-    """
-    if encoder_hidden_states is None:
-        if mask is not None:
-            raise ValueError("encoder_attention_mask was given without encoder_hidden_states")
-        return None
-    if not config.add_cross_attention:
-        raise ValueError(
-            "encoder_hidden_states need cross-attention layers: build the model with add_cross_attention=True"
-        )
-    shape = tuple(encoder_hidden_states.shape)
-    if len(shape) != 3 or shape[0] != B or shape[2] != config.n_embd:
-        raise ValueError(
-            f"encoder_hidden_states have shape {shape}, expected ({B}, encoder positions, {config.n_embd})"
-        )
-    if mask is None or mask.dim() == 4:
-        return mask
-    if tuple(mask.shape) != shape[:2]:
-        raise ValueError(
-            f"encoder_attention_mask has shape {tuple(mask.shape)}, expected {shape[:2]} = "
-            f"(batch, encoder positions) or a 4-D mask"
-        )
-    return mask.bool()[:, None, None, :]  # (B, 1, 1, T_enc)
-
-
-def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """The mask the textbook formula uses for `allowed` (bool, True = may attend, (B, 1, T_q, T_k)).
-
-    As it is when every query may see some key. Otherwise additive, as transformers' eager
-    attention builds it: 0 where allowed, else dtype's lowest value, which swamps the scores so
-    that a query seeing no key (left padding, an encoder row of padding alone) spreads equal
-    weights over all keys, with transformers' gradient there too.
-    """
-    if not torch.compiler.is_compiling() and allowed.any(dim=-1).all():
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def init_weights(module: nn.Module, config: GPT2Config) -> None:
