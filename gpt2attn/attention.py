@@ -4,11 +4,17 @@
 (layers.py) calls it whenever weights are wanted or a config needs it, and otherwise calls
 PyTorch's fused `F.scaled_dot_product_attention`, which computes the same numbers.
 
+An `attn_implementation` other than gpt2attn's own two ("sdpa", "eager") names a function registered
+in transformers' AttentionInterface, as TGI, vLLM and users plug in their own kernels:
+`registered_attention` finds it (importing transformers only then).
+
 Masks are either boolean (True = may attend) or additive floats (0 = attend, very negative =
 don't), shaped to broadcast against the scores (B, nh, T_q, T_k).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,3 +99,31 @@ def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     if not torch.compiler.is_compiling() and allowed.any(dim=-1).all():
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+BUILT_IN = ("sdpa", "eager")  # gpt2attn's own backends; any other name is looked up in transformers' registry
+
+
+def registered_attention(name: str) -> tuple[Callable, bool]:
+    """The attention function transformers' AttentionInterface holds under `name`, and whether a mask
+    function is registered for it too (transformers' AttentionMaskInterface).
+
+    The function is called as transformers' layers call it, fn(module, query, key, value, mask,
+    dropout=, scaling=, **kwargs) -> (output (B, T, nh, hs), weights or None). Without a mask
+    function transformers hands it no mask (the kernel sees the packing or padding through its own
+    keywords), and gpt2attn does the same. transformers' own GPU and hub backends (flash, flex, paged,
+    "org/kernel") are refused: gpt2attn's layers do not implement their contracts.
+    """
+    if name.startswith(("flash_attention", "flex_attention", "paged")) or "/" in name:
+        raise ValueError(f'Specified `attn_implementation="{name}"` is not supported: gpt2attn runs "sdpa" or '
+                         f'"eager" attention, or a function registered in transformers\' AttentionInterface')
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        ALL_ATTENTION_FUNCTIONS = ALL_MASK_ATTENTION_FUNCTIONS = {}
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f'Specified `attn_implementation="{name}"` is not supported: gpt2attn runs "sdpa" or '
+                         f'"eager" attention, or a function registered under that name with '
+                         f'transformers.AttentionInterface.register (none is)')
+    return ALL_ATTENTION_FUNCTIONS[name], name in ALL_MASK_ATTENTION_FUNCTIONS

@@ -22,7 +22,6 @@ from .cache import KVCache, takes_past_key_values
 from .config import PROBLEM_TYPES, GPT2Config, config_value
 from .generation import GenerationMixin
 from .layers import get_activation, init_weights
-from .inputs import check_forward_kwargs
 from .losses import lm_loss
 from .model import GPT2LMHeadModel, GPT2Model
 from .pretrained import GPT2PreTrainedModel
@@ -76,11 +75,11 @@ class GPT2ForSequenceClassification(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,  # transformers' extra keywords, checked by GPT2Model.forward
         )
         hidden = out.last_hidden_state  # (B, T, C)
         last = last_token_index(input_ids, hidden.shape[:2], self.config.pad_token_id)  # (B,)
@@ -141,11 +140,11 @@ class GPT2ForTokenClassification(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> TokenClassifierOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, cache=cache, attention_mask=attention_mask, token_type_ids=token_type_ids,
             position_ids=position_ids, head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,  # transformers' extra keywords, checked by GPT2Model.forward
         )
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, num_labels)
         loss = None if labels is None else classification_loss(logits, labels, "labels")
@@ -180,11 +179,11 @@ class GPT2ForQuestionAnswering(GPT2HeadModel):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> QuestionAnsweringOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         out = self.transformer(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             head_mask=head_mask, inputs_embeds=inputs_embeds, use_cache=False,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,  # transformers' extra keywords, checked by GPT2Model.forward
         )
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(dim=-1)  # (B, T) each
         loss = None
@@ -272,7 +271,6 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel, GenerationMixin):
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> DoubleHeadsOutput | tuple:
-        check_forward_kwargs(kwargs)  # transformers' extra keywords (see gpt2attn.inputs)
         lead = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape[:-1]  # (B, n_choices) or (B,)
 
         def flat(t: Tensor | None) -> Tensor | None:  # (B, n_choices, T, ...) -> (B * n_choices, T, ...)
@@ -283,6 +281,7 @@ class GPT2DoubleHeadsModel(GPT2LMHeadModel, GenerationMixin):
             token_type_ids=flat(token_type_ids), position_ids=flat(position_ids), head_mask=head_mask,
             inputs_embeds=flat(inputs_embeds), use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            **kwargs,  # transformers' extra keywords, checked by GPT2Model.forward
         )
         hidden = out.last_hidden_state.unflatten(0, lead)  # (B, n_choices, T, C)
         logits = self.lm_head(hidden)  # (B, n_choices, T, vocab)

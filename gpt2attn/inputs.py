@@ -13,27 +13,33 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .attention import causal_mask
+from .attention import BUILT_IN, causal_mask
 from .config import GPT2Config, is_int
 
 
 # The keywords transformers' forward methods take through **kwargs (its TransformersKwargs) beyond
 # the named ones: those meaning nothing for GPT-2 are accepted and ignored, as transformers' GPT-2
 # ignores them; flash-attention's cumulative lengths of packed sequences are refused, not ignored
-# (packed sequences are given by their position_ids instead: see packed_causal_mask).
+# (packed sequences are given by their position_ids instead: see packed_causal_mask), unless a
+# registered attention function takes them.
 IGNORED_KWARGS = {"num_items_in_batch", "output_router_logits", "is_causal"}
 PACKED_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
-def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
-    """Refuse what forward's **kwargs cannot honour, naming the keyword."""
+def check_forward_kwargs(kwargs: dict[str, Any], attn_implementation: str | None = None) -> dict[str, Any]:
+    """What forward's **kwargs hand down to the attention layers: all of them when the model runs a
+    function registered in transformers' AttentionInterface (its kernel may read any of them, as
+    in transformers), none with gpt2attn's own "sdpa" and "eager", which refuse what they cannot
+    honour, naming the keyword."""
+    if attn_implementation not in (None, *BUILT_IN):
+        return kwargs
     for key in kwargs:
         if key in PACKED_KWARGS:
             raise ValueError(f"{key}: flash-attention's packing keywords are not supported; give packed "
                              f"sequences by their position_ids (restarting at 0), or pad the batch")
         if key not in IGNORED_KWARGS:
             raise TypeError(f"forward() got an unexpected keyword argument {key!r}")
-
+    return {}
 
 
 def as_int_tensor(name: str, value: Any, device: torch.device) -> Tensor:

@@ -9,12 +9,13 @@ Parameter names and shapes equal `transformers`' GPT-2, so state dicts load as t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import causal_mask, padding_mask, scaled_dot_product_attention
+from .attention import BUILT_IN, causal_mask, padding_mask, registered_attention, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config, check_config, inner_dim
 
@@ -100,6 +101,7 @@ class Attention(nn.Module):
         self.head_dim = config.n_embd // config.n_head
         self.layer_idx = layer_idx
         self.is_cross_attention = is_cross_attention
+        self.is_causal = not is_cross_attention  # what transformers' attention functions read
         if is_cross_attention:
             self.c_attn = Conv1D(2 * config.n_embd, config.n_embd)  # keys, values
             self.q_attn = Conv1D(config.n_embd, config.n_embd)
@@ -113,9 +115,11 @@ class Attention(nn.Module):
             self.scale /= layer_idx + 1
         self.upcast = config.reorder_and_upcast_attn
         self.tap = no_tap
-        # True: always the textbook formula (attn_implementation "eager"); else PyTorch's fused
-        # kernel wherever no weights are wanted ("sdpa").
-        self.textbook = getattr(config, "_attn_implementation", None) == "eager"
+        # "sdpa", "eager" or a registered function's name (see gpt2attn.attention); textbook: always
+        # the textbook formula ("eager", or gpt2attn.inspect asking for the weights), else PyTorch's
+        # fused kernel wherever no weights are wanted.
+        self.implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        self.textbook = self.implementation == "eager"
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -133,9 +137,11 @@ class Attention(nn.Module):
         head_mask: Tensor | None = None,
         output_attentions: bool = False,
         encoder_hidden_states: Tensor | None = None,
+        **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, C). mask None means plain causal; else bool/additive (B|1, 1|nh, T, T_k).
         Cross-attention: keys are the encoder's T_k positions (B, T_k, C), mask is over them.
+        **kwargs go to a registered attention function (forward's extra keywords), as in transformers.
 
         Returns the output (B, T, C) and, when asked for, the weights (B, nh, T, T_k).
         """
@@ -158,7 +164,17 @@ class Attention(nn.Module):
         # what transformers gives it on the same backend: equal weights on every key with the
         # textbook formula ("eager"), nothing at all from PyTorch's fused kernel ("sdpa").
         additive = mask is not None and mask.is_floating_point()  # a caller's 4-D mask: as it is
-        if output_attentions or head_mask is not None or self.upcast or self.textbook or additive:
+        if self.implementation not in BUILT_IN and not self.textbook:
+            function, takes_mask = registered_attention(self.implementation)
+            if head_mask is not None:
+                raise ValueError(f"head_mask is not applied by the registered attention function "
+                                 f"{self.implementation!r}: use attn_implementation 'eager' or 'sdpa'")
+            if takes_mask and causal and mask is None and 1 < T_q < T_k:
+                mask = causal_mask(T_q, T_k, q.device)  # every query sees itself, counted from the right
+            y, weights = function(self, q, k, v, mask if takes_mask else None, dropout=dropout_p,
+                                  scaling=self.scale, **kwargs)  # y: (B, T, nh, hs)
+            y = y.transpose(1, 2)  # (B, nh, T, hs)
+        elif output_attentions or head_mask is not None or self.upcast or self.textbook or additive:
             if causal and mask is None and T_q > 1:
                 mask = causal_mask(T_q, T_k, q.device)
             elif mask is not None and not additive:
@@ -236,17 +252,20 @@ class Block(nn.Module):
         output_attentions: bool = False,
         encoder_hidden_states: Tensor | None = None,
         encoder_mask: Tensor | None = None,
+        **attention_kwargs: Any,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Returns the block's output (B, T, C), the self-attention weights and the
-        cross-attention weights (each None unless output_attentions)."""
+        cross-attention weights (each None unless output_attentions). attention_kwargs go to a
+        registered attention function (see Attention.forward)."""
         tap = self.tap
         x = tap("resid_pre", x)
-        a, weights = self.attn(tap("ln_1", self.ln_1(x)), cache, mask, head_mask, output_attentions)
+        a, weights = self.attn(tap("ln_1", self.ln_1(x)), cache, mask, head_mask, output_attentions, **attention_kwargs)
         x = tap("resid_mid", x + a)
         cross_weights = None
         if encoder_hidden_states is not None:
             c, cross_weights = self.crossattention(
-                self.ln_cross_attn(x), cache, encoder_mask, head_mask, output_attentions, encoder_hidden_states
+                self.ln_cross_attn(x), cache, encoder_mask, head_mask, output_attentions, encoder_hidden_states,
+                **attention_kwargs,
             )
             x = x + c
         x = tap("resid_post", x + self.mlp(tap("ln_2", self.ln_2(x))))

@@ -65,8 +65,9 @@ class GPT2Model(GPT2PreTrainedModel):
     ) -> BaseModelOutput | tuple:
         """Arguments left at None take the config's value (use_cache, output_attentions,
         output_hidden_states, return_dict), as in transformers; return_dict=False gives the tuple.
-        **kwargs: the extra keywords transformers' forward takes (see check_forward_kwargs)."""
-        check_forward_kwargs(kwargs)
+        **kwargs: the extra keywords transformers' forward takes (see check_forward_kwargs); with a
+        registered attention function (attn_implementation) they are handed down to it."""
+        attention_kwargs = check_forward_kwargs(kwargs, self.config._attn_implementation)
         cfg = self.config
         use_cache = cfg.use_cache if use_cache is None else use_cache
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
@@ -121,10 +122,11 @@ class GPT2Model(GPT2PreTrainedModel):
                 offload = self.checkpoint_offload  # what the block saves for backward goes to host memory
                 with save_on_cpu(pin_memory=x.is_cuda, device_type=x.device.type) if offload else nullcontext():
                     x, weights, cross = checkpoint(block, x, None, mask, layer_head_mask, output_attentions,
-                                                   encoder_hidden_states, encoder_mask, **self.gradient_checkpointing_kwargs)
+                                                   encoder_hidden_states, encoder_mask,
+                                                   **self.gradient_checkpointing_kwargs, **attention_kwargs)
             else:
                 x, weights, cross = block(x, cache, mask, layer_head_mask, output_attentions,
-                                          encoder_hidden_states, encoder_mask)
+                                          encoder_hidden_states, encoder_mask, **attention_kwargs)
             if all_weights is not None:
                 all_weights.append(weights)
                 if cross is not None:
@@ -196,7 +198,6 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         labels. (A keyword, not a parameter, as in transformers: Trainer takes every parameter whose
         name holds "label" for a label column the batch must carry.)"""
         shift_labels = kwargs.pop("shift_labels", None)
-        check_forward_kwargs(kwargs)
         out = self.transformer(
             input_ids,
             cache=cache,
@@ -211,6 +212,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            **kwargs,  # checked there; with a registered attention function, handed down to it
         )
         logits = self.lm_head(kept_positions(out.last_hidden_state, logits_to_keep))  # (B, T, vocab), T as kept
         loss = None

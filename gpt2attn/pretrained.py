@@ -18,6 +18,7 @@ from .generation.config import GenerationConfig, compile_options
 from .generation.mixin import GenerationMixin
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
+from .attention import BUILT_IN, registered_attention
 from .bridge import from_transformers, to_transformers
 from .layers import init_weights
 from .loader import from_pretrained
@@ -40,13 +41,14 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     generation_config_class = GenerationConfig  # what generate() and generation_config take
 
     # The attention backends (transformers' attn_implementation): "sdpa", PyTorch's fused kernel
-    # wherever no attention weights are wanted, and "eager", the textbook formula of attention.py
-    # everywhere. transformers' utilities (and accelerate, PEFT, TRL) read these flags.
-    ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+    # wherever no attention weights are wanted; "eager", the textbook formula of attention.py
+    # everywhere; or the name of a function registered in transformers' AttentionInterface, which
+    # every layer then calls with forward's extra keywords (how TGI and vLLM plug in their kernels).
+    # transformers' utilities (and accelerate, PEFT, TRL) read these flags.
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False  # TGI/vLLM backend: no registry of attention functions, no TP plan
+    _supports_attention_backend = True
     _can_compile_fullgraph = True  # the forward traces as one graph (tests/test_export.py)
     _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
     _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device
@@ -101,8 +103,9 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         return True
 
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
-        """Switch every attention layer to "sdpa" or "eager" (a dict: its "" entry; GPT-2 has no
-        sub-models), recording the choice in config._attn_implementation as transformers does.
+        """Switch every attention layer to "sdpa", "eager" or a function registered in transformers'
+        AttentionInterface (a dict: its "" entry; GPT-2 has no sub-models), recording the choice in
+        config._attn_implementation as transformers does.
         allow_all_kernels is for transformers' hub kernels, which are never loaded here."""
         if isinstance(attn_implementation, dict):
             attn_implementation = attn_implementation.get("", self.config._attn_implementation)
@@ -110,7 +113,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
         self.config._attn_implementation = name
         for module in self.modules():
             if hasattr(module, "textbook"):
-                module.textbook = name == "eager"
+                module.implementation, module.textbook = name, name == "eager"
 
     @classmethod
     def _from_config(cls, config: Any, attn_implementation: str | None = None, dtype: Any = None,
@@ -362,12 +365,12 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
 
 
 def checked_attn_implementation(name: str | None) -> str:
-    """The attention backend a model runs: "sdpa" when none is asked for."""
+    """The attention backend a model runs: "sdpa" when none is asked for; a name other than "sdpa"
+    and "eager" must be registered in transformers' AttentionInterface (gpt2attn.attention)."""
     if name is None:
         return "sdpa"
-    if name not in GPT2PreTrainedModel.ATTN_IMPLEMENTATIONS:
-        raise ValueError(f'Specified `attn_implementation="{name}"` is not supported: gpt2attn runs '
-                         f"{' or '.join(map(repr, GPT2PreTrainedModel.ATTN_IMPLEMENTATIONS))} attention")
+    if name not in BUILT_IN:
+        registered_attention(name)  # raises, naming it, unless registered
     return name
 
 
