@@ -102,6 +102,11 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def _can_set_attn_implementation(cls) -> bool:
         return True
 
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """The backend a request names, checked ("sdpa" for None), as transformers answers it; a name
+        gpt2attn cannot run is a ValueError naming it. is_init_check: transformers' own, unused here."""
+        return checked_attn_implementation(requested_attention)
+
     def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
         """Switch every attention layer to "sdpa", "eager" or a function registered in transformers'
         AttentionInterface (a dict: its "" entry; GPT-2 has no sub-models), recording the choice in
