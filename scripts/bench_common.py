@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2attn import kernels
+from gpt2attn import cpu, kernels
+
 # The project's shared data (../shared/data beside the checkout), or $GPT2ATTN_SHARED_DATA, as the tests find it.
 SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
@@ -157,17 +158,7 @@ def read_runs(path: Path) -> list[dict]:
 def machine_facts() -> dict:
     """What a figure depends on: CPU model and the SIMD flags that pick torch's kernels, cores,
     threads, torch and Python versions, and how busy the machine was (read when the run ends)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-    except OSError:
-        pass
+    model, flags = cpu.name() or platform.machine(), cpu.flags()
     return {
         "cpu": model,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],

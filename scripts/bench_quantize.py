@@ -35,7 +35,7 @@ import torch
 from bench_common import SHAKESPEARE, SHARED_DATA, interleaved_medians, machine_line, median_seconds
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
-from gpt2attn.quantize import cpu_bf16_report
+from gpt2attn.cpu import bf16_report as cpu_bf16_report
 
 TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"
 
