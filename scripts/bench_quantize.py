@@ -292,7 +292,7 @@ def quality(fp32, int8) -> None:
     print(f"\nrandom gpt2-small, B=1, T=128: max |int8 - fp32| / max |fp32| logit = {err:.4f}; "
           f"same argmax at {agree:.0%} of positions")
     text_file = SHAKESPEARE
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL_DIR)

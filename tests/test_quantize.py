@@ -172,7 +172,7 @@ def test_cli_generate_quantize_int8(tmp_path, capsys, models):
 def test_int8_validation_loss_within_half_a_percent_of_fp32():
     """The shipped char model on a fixed slice of tinyshakespeare's validation split (its last
     10%, as the training recipe splits it): 64 blocks of 128 characters."""
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     text = (shared_data("tinyshakespeare") / "input.txt").read_text()
@@ -193,7 +193,7 @@ def test_int8_decoding_loss_within_half_a_percent_of_fp32():
     (8 blocks, batch 8): the path generate takes, with int8 input blocks in the kernel."""
     import torch.nn.functional as F
 
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     text = (shared_data("tinyshakespeare") / "input.txt").read_text()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..files import write_atomic, write_text_atomic
-from ..generation import DEFAULT_MODEL_DIR
+from ..shipped import DEFAULT_MODEL_DIR
 from ..tokenizer import visible
 from . import load_tokenizer_of, model_folder
 

@@ -13,16 +13,11 @@ its generate() / generation_config.
     mixin.py       GenerationMixin: generate() and its companions as methods of a model class
 """
 
-from pathlib import Path
-
 from .config import GenerationConfig, as_generation_config
 from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, compute_transition_scores, generate
 from .mixin import GenerationMixin
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
-
 __all__ = [
-    "DEFAULT_MODEL_DIR",
     "GenerateBeamDecoderOnlyOutput",
     "GenerateDecoderOnlyOutput",
     "GenerationConfig",
