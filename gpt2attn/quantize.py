@@ -40,7 +40,7 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     torch's fp32 product on its dequantized weight instead); q4's Q4_K layers through the same
     kernel as their decoding too (every row in one pass over the weights).
 Weight-only int8 through torch or torchao and fbgemm for decoding were measured slower
-(`python scripts/bench.py generate --quantize int8 --layers`).
+(`python scripts/bench.py step --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
 computes with (the 16-bit or int8 weight widened back), and a tied head gives the embedding it was

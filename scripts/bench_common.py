@@ -109,6 +109,20 @@ def read_sum(x: torch.Tensor, streams: int = 8) -> float:
     return lib.read_sum(x.data_ptr(), x.numel(), torch.get_num_threads(), streams)
 
 
+def weight_bytes(model) -> int:
+    """Bytes a decode step of a quantize()d model reads: every CpuLinear's weight (and int8 scales;
+    q4's blocks)."""
+    from gpt2attn.quantize import CpuLinear
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, CpuLinear):
+            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "weight8", "scale", "blocks")):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def machine_line() -> str:
     facts = machine_facts()
     return (
