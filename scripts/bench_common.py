@@ -1,4 +1,4 @@
-"""Shared by the scripts/bench_*.py benchmarks: timing, a matmul roofline, machine facts."""
+"""Shared by the scripts/bench_*.py benchmarks: timing, a matmul roofline, the read rate, bytes per token, machine facts, result files."""
 
 from __future__ import annotations
 
