@@ -23,6 +23,7 @@ import torch
 from .errors import CheckpointError, read_json_file
 from .files import write_text_atomic
 from .hub import resolve  # hub names go through huggingface_hub's cache, as for models
+from .shipped import configs_dir
 
 CONFIG_NAME = "config.json"
 
@@ -321,7 +322,7 @@ class GPT2Config:
         name = name.removeprefix("openai-community/")
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls.from_json_file(_configs_dir() / f"{name}.json")
+        return cls.from_json_file(configs_dir() / f"{name}.json")
 
 
 _FIELDS = frozenset(f.name for f in fields(GPT2Config))
@@ -451,7 +452,3 @@ def _int_keys(labels: Any) -> Any:
         raise ValueError(f"GPT2Config.id2label keys must be integer ids, got {list(labels)!r}") from None
 
 
-def _configs_dir() -> Path:
-    """`configs/` ships inside the wheel as gpt2attn/configs; in a checkout it is ../configs."""
-    packaged = Path(__file__).parent / "configs"
-    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "configs"

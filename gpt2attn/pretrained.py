@@ -1,6 +1,6 @@
 """GPT2PreTrainedModel: what every gpt2attn model class shares, the surface transformers' models
-have around their forward pass. Loading and saving (gpt2attn/loader.py, formats/hf.py), int8 and
-bf16 (quantize.py), the zero-copy bridge to transformers (bridge.py), embeddings and
+have around their forward pass. Loading and saving (gpt2attn/loader.py, formats/hf.py), CPU
+inference in fp32, fp16, bf16, int8 or q4 (quantize.py), the zero-copy bridge to transformers (bridge.py), embeddings and
 their resizing, activation checkpointing switches, parameter counts. model.py builds on it.
 """
 

@@ -40,7 +40,7 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     torch's fp32 product on its dequantized weight instead); q4's Q4_K layers through the same
     kernel as their decoding too (every row in one pass over the weights).
 Weight-only int8 through torch or torchao and fbgemm for decoding were measured slower
-(`python scripts/bench.py generate --quantize int8 --layers`).
+(`python scripts/bench.py step --layers`).
 
 `state_dict()` keeps Hugging Face's keys and shapes in fp32: each weight is the fp32 tensor it
 computes with (the 16-bit or int8 weight widened back), and a tied head gives the embedding it was
@@ -50,8 +50,8 @@ run again on the dequantized weights, may move a sub-block in a few thousand by 
 written as 'q4' keeps the very Q4_K blocks). The 16-bit, int8 and q4 layers are for inference: no
 gradients flow through them.
 
-`cpu_bf16_report()` says whether this CPU multiplies bf16 natively (AMX, AVX512-BF16), which
-training's dtype="auto" asks, and bf16 prompts here; bf16 decoding does not need it.
+bf16 prompts ask gpt2attn.cpu.bf16_report() whether this CPU multiplies bf16 natively (AMX,
+AVX512-BF16); bf16 decoding does not need it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu
 from . import kernels as cpu_kernels
 from . import q4_k
 from .layers import Conv1D
@@ -170,8 +171,8 @@ class HalfLinear(PackedLinear):
     measured no faster for 16-bit decoding); products accumulate in fp32.
 
     A prompt (more than DECODE_ROWS rows) widens the weight to fp32 for torch's product, except
-    bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from cpu_bf16_report: AVX512-BF16 or
-    AMX), where torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to
+    bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from gpt2attn.cpu.bf16_report(): AVX512-BF16
+    or AMX), where torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to
     bf16 and the output too (fp32 sums between): about twice as fast, measured, with logits about
     three times further from fp32's (see docs/cpu-decoding.md)."""
 
@@ -182,7 +183,7 @@ class HalfLinear(PackedLinear):
         self.weight_dtype = dtype
         super().__init__(weight, bias, conv, tied)
         self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} rows"
-        self.native_bf16 = dtype == torch.bfloat16 and cpu_bf16_report()[0]
+        self.native_bf16 = dtype == torch.bfloat16 and cpu.bf16_report()[0]
 
     @property
     def prefill_kernel(self) -> str:
@@ -353,21 +354,3 @@ def _libc() -> ctypes.CDLL | None:
 def kernels(model: nn.Module) -> dict[str, str]:
     """Module name -> the kernels its matrix products run on, for every layer quantize() made."""
     return {name: m.kernel for name, m in model.named_modules() if isinstance(m, CpuLinear)}
-
-
-def cpu_bf16_report() -> tuple[bool, str]:
-    """(whether this CPU multiplies bf16 natively, a sentence saying what it has)."""
-    flags = _cpu_flags()
-    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
-    capability = torch.backends.cpu.get_cpu_capability()
-    if native:
-        return True, f"this CPU has {' and '.join(native)} (torch capability {capability}): bf16 matrix products are native"
-    return False, (
-        f"this CPU has neither amx_bf16 nor avx512_bf16 (torch capability {capability}), so torch emulates "
-        f"bf16 matrix products, tens of times slower than fp32"
-    )
-
-
-def _cpu_flags() -> set[str]:
-    """This CPU's flags, as the kernels read them (/proc/cpuinfo; none where it is absent)."""
-    return cpu_kernels._cpu_flags()

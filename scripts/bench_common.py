@@ -1,4 +1,4 @@
-"""Shared by the scripts/bench_*.py benchmarks: timing, a matmul roofline, machine facts."""
+"""Shared by the scripts/bench_*.py benchmarks: timing, a matmul roofline, the read rate, bytes per token, machine facts, result files."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2attn import kernels
+from gpt2attn import cpu, kernels
+
 # The project's shared data (../shared/data beside the checkout), or $GPT2ATTN_SHARED_DATA, as the tests find it.
 SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
@@ -108,6 +109,20 @@ def read_sum(x: torch.Tensor, streams: int = 8) -> float:
     return lib.read_sum(x.data_ptr(), x.numel(), torch.get_num_threads(), streams)
 
 
+def weight_bytes(model) -> int:
+    """Bytes a decode step of a quantize()d model reads: every CpuLinear's weight (and int8 scales;
+    q4's blocks)."""
+    from gpt2attn.quantize import CpuLinear
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, CpuLinear):
+            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "weight8", "scale", "blocks")):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def machine_line() -> str:
     facts = machine_facts()
     return (
@@ -157,17 +172,7 @@ def read_runs(path: Path) -> list[dict]:
 def machine_facts() -> dict:
     """What a figure depends on: CPU model and the SIMD flags that pick torch's kernels, cores,
     threads, torch and Python versions, and how busy the machine was (read when the run ends)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-    except OSError:
-        pass
+    model, flags = cpu.name() or platform.machine(), cpu.flags()
     return {
         "cpu": model,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],

@@ -4,8 +4,6 @@
                                    [--rounds 5] [--threads 2] [--prompt 32] [--new 64] [--prefill 128,512]
                                    [--only plain,fp32,fp16,bf16,int8,q4]
 
-(`python scripts/bench.py generate --llama-cpp PATH` is the same.)
-
 gpt2-small shapes, random weights (seed 0), eval. The plain model as loaded (`plain`: no
 quantize() call) and each precision of ours (`model.quantize(mode)`) is paired with a GGUF file of
 the same weights written by gpt2attn.formats.gguf (with a synthetic byte-level BPE vocabulary of
@@ -39,8 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line, read_sum
-from profile_decode import weight_bytes
+from bench_common import machine_line, read_sum, weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.formats import gguf

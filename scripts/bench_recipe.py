@@ -79,12 +79,7 @@ def run_ours(config: Path, data: Path, out_dir: Path, text: str, extra: list[str
     return seconds, logged, validation_loss(model, last_part(torch.tensor(encode(load_tokenizer(out_dir / "model"), text))))
 
 
-def row(result: tuple[float, float, float]) -> str:
-    seconds, logged, scored = result
-    return f"{seconds:.1f} s | {logged:.4f} | {scored:.4f}"
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(prog="bench.py recipe", description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
     parser.add_argument("--data", default=str(SHAKESPEARE))
@@ -108,13 +103,23 @@ def main(argv: list[str]) -> int:
         print(f"nanoGPT: train.py {' '.join(NANOGPT_CPU_ARGS + args.theirs)}")
         print(f"gpt2attn: train --config {Path(args.config).name} {' '.join(args.ours)}")
         print("val loss: logged = the trainer's own last estimate; scored = scripts/eval_char_model.py on the final model")
-        print("| run | nanoGPT wall | logged | scored | gpt2attn wall | logged | scored | wall ratio |")
+        print("| run | nanoGPT wall s | logged | scored | gpt2attn wall s | logged | scored | wall ratio |")
         print("|---|---|---|---|---|---|---|---|")
-        theirs, ours = [], []
+        theirs, ours, rows = [], [], []
         for run in range(1, args.runs + 1):
             theirs.append(run_nanogpt(nanogpt, tmp / f"nanogpt-{run}", text, args.theirs))
             ours.append(run_ours(Path(args.config), data, tmp / f"gpt2attn-{run}", text, args.ours))
-            print(f"| {run} | {row(theirs[-1])} | {row(ours[-1])} | {ours[-1][0] / theirs[-1][0]:.2f}x |", flush=True)
+            rows.append(table_row(str(run), theirs[-1], ours[-1]))
         medians = [tuple(statistics.median(r[i] for r in runs) for i in range(3)) for runs in (theirs, ours)]
-        print(f"| median | {row(medians[0])} | {row(medians[1])} | {medians[1][0] / medians[0][0]:.2f}x |")
-    return 0
+        rows.append(table_row("median", *medians))
+    return rows  # bench.py writes these, with the machine and date, to docs/benchmarks/results/recipe.json
+
+
+def table_row(run: str, theirs: tuple, ours: tuple) -> dict:
+    """One run (or the medians) as a row of the table, printed as it comes."""
+    cells = {"run": run}
+    for name, (seconds, logged, scored) in (("nanoGPT", theirs), ("gpt2attn", ours)):
+        cells |= {f"{name} wall s": f"{seconds:.1f}", f"{name} logged": f"{logged:.4f}", f"{name} scored": f"{scored:.4f}"}
+    cells["wall ratio"] = f"{ours[0] / theirs[0]:.2f}x"
+    print("| " + " | ".join(cells.values()) + " |", flush=True)
+    return cells

@@ -129,7 +129,7 @@ def make_kernels(config: GPT2Config, n_params: int, batch_size: int, block_size:
     return kernels
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(prog="bench.py train", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", help="gpt2, gpt2-medium, ... (default: the 4x128 char model, vocab 65)")
     parser.add_argument("--batch-size", type=int, default=12)
@@ -179,15 +179,23 @@ def main(argv: list[str]) -> int:
     floor = times.pop("matmuls alone")
     kernels = times.pop("kernels alone")
     flops = train_flops_per_token(config, args.block_size) * tokens
+    rows = []
     for name, seconds in times.items():
         line = f"{name:>12}: {seconds * 1e3:8.2f} ms/step  {tokens / seconds:10.0f} tokens/s  {flops / seconds / 1e9:7.1f} GFLOP/s"
+        row = {"step": name, "ms/step": f"{seconds * 1e3:.2f}", "tokens/s": f"{tokens / seconds:.0f}",
+               "GFLOP/s": f"{flops / seconds / 1e9:.1f}", "transformers / this": f"{times['transformers'] / seconds:.2f}x"}
         if device.type == "cuda":
             line += f"  MFU {flops / seconds / (args.peak_tflops * 1e12):.1%}"
+            row["MFU"] = f"{flops / seconds / (args.peak_tflops * 1e12):.1%}"
         print(line)
+        rows.append(row)
+    for name, seconds in (("the step's matrix products alone", floor), ("every kernel a step needs, alone", kernels)):
+        rows.append({key: "" for key in rows[0]} | {"step": name, "ms/step": f"{seconds * 1e3:.2f}",
+                                                    "transformers / this": f"{times['transformers'] / seconds:.2f}x"})
     print(f"the step's matmuls alone: {floor * 1e3:.2f} ms; the rest takes gpt2attn "
           f"{(times['gpt2attn'] - floor) * 1e3:.2f} ms, transformers {(times['transformers'] - floor) * 1e3:.2f} ms")
     print(f"every kernel a step needs (matmuls, fused attention, GELU, LayerNorm, embeddings, loss, clip + "
           f"AdamW), alone: {kernels * 1e3:.2f} ms; gpt2attn spends {(times['gpt2attn'] - kernels) * 1e3:.2f} ms "
           f"beyond them; no eager step can beat transformers by more than {times['transformers'] / kernels:.2f}x")
     print(f"speed-up (transformers time / ours): {times['transformers'] / times['gpt2attn']:.2f}x")
-    return 0
+    return rows  # bench.py writes these, with the machine and date, to docs/benchmarks/results/train.json

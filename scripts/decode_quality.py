@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from bench_common import SHAKESPEARE, machine_line, read_text_file
 
 from gpt2attn import GPT2LMHeadModel
-from gpt2attn.generation import DEFAULT_MODEL_DIR
 from gpt2attn.quantize import MODES
+from gpt2attn.shipped import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import load_tokenizer
 
 def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor:

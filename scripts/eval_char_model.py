@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from bench_common import SHAKESPEARE, read_text_file
 
 from gpt2attn import GPT2LMHeadModel
-from gpt2attn.generation import DEFAULT_MODEL_DIR
+from gpt2attn.shipped import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import encode, load_tokenizer
 
 def last_part(ids: torch.Tensor, fraction: float = 0.1) -> torch.Tensor:

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 
-# What each bench measures and how (bench.py's order). Figures never go here: they come from the run.
+# What each bench measures and how, for every bench of bench.BENCHES in its order (tests/test_docs.py checks
+# both list the same). Figures never go here: they come from the run.
 ABOUT = {
     "forward": "The forward pass of gpt2-small (124M parameters, random weights), fp32, eval, batch 1, no "
                "cache, against transformers' sdpa and eager attention in the same process, timed in turns. "
@@ -32,9 +33,10 @@ ABOUT = {
             "(one 8-token pass, touching every weight) is the fair comparison. Then the same weights from an "
             "llm.c model file and from an F16 GGUF with GPT-2's tokenizer, whose weights must be widened to "
             "float32, and the speed of each GGML type's dequantizer (the `gguf` package's reference code).",
-    "generate": "Decoding speed: greedy, sampling, beams, prompt lookup and assisted decoding against "
-                "transformers' `generate`, with the memory-bandwidth floor (one read of all "
-                "the weights); `--quantize int8` adds the int8 comparison (see [Fast CPU decoding](cpu-decoding.md)).",
+    "generate": "`generate()` against transformers' `generate` on gpt2-small (random weights): greedy at "
+                "batch 1 and 8 in fp32 and int8 (with CTranslate2's int8 when it is installed), beam search "
+                "and assisted decoding (prompt lookup, a 2-layer assistant), with the memory-bandwidth floor "
+                "(one read of all the weights; see [Fast CPU decoding](cpu-decoding.md)).",
     "decode": "CPU decoding at batch 1 of the plain fp32 model as loaded (no quantize() call) and in fp32, fp16, bf16, int8 and q4 (`model.quantize(mode)`) against llama.cpp's "
               "`llama-bench` on the same weights written as GGUF by gpt2attn (f32, f16, bf16, q8_0; q4 against "
               "q4_K_M, which `llama-quantize` makes from the f32 file), alternating "
@@ -42,6 +44,10 @@ ABOUT = {
               "tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "
               "read per token / read rate (see [Fast CPU decoding](cpu-decoding.md)). Runs on other CPU families "
               "are older code (their commit is named): they show each family's ratios, not today's code's.",
+    "step": "Where one batch-1 decode step of gpt2-small's shapes spends its time, per precision: reading "
+            "the weights once, the products alone, the step through the modules, the one-call step, a "
+            "narrow model's step (what a step costs beyond its weights) and generate's time per token "
+            "(see [Fast CPU decoding](cpu-decoding.md#where-a-decode-steps-time-goes)).",
     "train": "One training step at the CPU recipe's shapes (and gpt2-small's with `--preset gpt2`), with the "
              "step's matrix products alone and every kernel a step needs alone, timed in the same turns: "
              "how far the step is from its floor.",

@@ -418,7 +418,7 @@ def encode_proto(fields: dict[int, list]) -> bytes:
 
 
 def write_sstable(path: Path, entries: dict[bytes, bytes]) -> None:
-    from gpt2attn.tf_checkpoint import TABLE_MAGIC, masked_crc32c
+    from gpt2attn.formats.tf_checkpoint import TABLE_MAGIC, masked_crc32c
 
     def block(pairs) -> bytes:
         body = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in pairs)
@@ -435,7 +435,7 @@ def write_sstable(path: Path, entries: dict[bytes, bytes]) -> None:
 
 
 def mutate_tf_index(path: Path, rng: random.Random) -> str:
-    from gpt2attn.tf_checkpoint import parse_proto, read_sstable
+    from gpt2attn.formats.tf_checkpoint import parse_proto, read_sstable
 
     entries = read_sstable(path)
     key = rng.choice(sorted(entries))

@@ -173,11 +173,11 @@ needs_kernels = pytest.mark.skipif(not _kernels_available(), reason="the CPU ker
 def kernel_builds() -> dict[str, object]:
     """Every build of gpt2attn's CPU kernels this CPU can run, by name ('avx2', 'avx512'), loaded;
     empty where the kernels cannot run here."""
-    from gpt2attn import kernels
+    from gpt2attn import cpu, kernels
 
     if not kernels.available():
         return {}
-    wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= kernels._cpu_flags() else []
+    wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= cpu.flags() else []
     return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags, []))))
             for name, flags in zip(("avx2", "avx512"), [kernels.FLAGS] + wide)}
 

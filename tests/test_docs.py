@@ -244,6 +244,15 @@ def test_benchmarks_page_is_rendered_from_the_result_files():
     assert page == render_benchmarks.render(), "docs/benchmarks.md is stale: run python scripts/render_benchmarks.py"
 
 
+def test_every_bench_is_a_name_of_bench_py_and_described_on_the_page():
+    """One way into the benchmarks: each scripts/bench_NAME.py runs as `bench.py NAME`, and the page
+    describes the same benches in the same order."""
+    bench, render_benchmarks = scripts_module("bench"), scripts_module("render_benchmarks")
+    modules = [path.stem.removeprefix("bench_") for path in (ROOT / "scripts").glob("bench_*.py")]
+    assert sorted(bench.BENCHES) == sorted(name for name in modules if name != "common")
+    assert list(render_benchmarks.ABOUT) == list(bench.BENCHES)
+
+
 def test_a_bench_run_becomes_a_table_with_its_machine_date_and_command(tmp_path):
     import datetime
 

@@ -249,7 +249,7 @@ def test_logit_lens_is_each_layers_residual_through_ln_f_and_lm_head(char_model)
 
 def test_the_page_title_names_the_model(char_folder, tmp_path):
     from gpt2attn.commands.explore import page_name
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
 
     assert page_name(str(DEFAULT_MODEL_DIR)) == "gpt2attn default model (char-level Shakespeare)"
     assert page_name(str(char_folder)) == str(char_folder)

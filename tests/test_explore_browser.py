@@ -22,7 +22,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel, inspect
 from gpt2attn.cli import main
-from gpt2attn.generation import DEFAULT_MODEL_DIR
+from gpt2attn.shipped import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import encode, load_tokenizer, token_labels
 from helpers import EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder
 

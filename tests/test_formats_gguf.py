@@ -226,7 +226,7 @@ def test_cli_generate_convert_and_parity_take_gguf(tmp_path, capsys):
 
 def test_the_shipped_character_model_goes_to_gguf_with_its_tokenizer(tmp_path, capsys):
     """The README's tour: `convert` the character model to a .gguf, then `generate --model` it."""
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
 
     assert cli(["convert", str(DEFAULT_MODEL_DIR), str(tmp_path / "m.gguf"), "--dtype", "f32"]) == 0
     assert capsys.readouterr().err == ""  # no "written without the tokenizer" note

@@ -93,7 +93,7 @@ def tf_hparams(tmp_path, text: bytes):
 
 def tf_index(tmp_path, edit):
     """The TF folder with its index entries rewritten by edit(entries)."""
-    from gpt2attn.tf_checkpoint import read_sstable
+    from gpt2attn.formats.tf_checkpoint import read_sstable
 
     folder = tf_folder(tmp_path)
     index = folder / "model.ckpt.index"
@@ -104,7 +104,7 @@ def tf_index(tmp_path, edit):
 
 
 def tf_shape(entries):
-    from gpt2attn.tf_checkpoint import parse_proto
+    from gpt2attn.formats.tf_checkpoint import parse_proto
 
     fields = parse_proto(entries[b"model/ln_f/g"])
     fields[2] = [fuzzing.encode_proto({2: [fuzzing.encode_proto({1: [5]})]})]  # 5 values, the data holds 32

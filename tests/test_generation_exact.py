@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel
-from gpt2attn.generation import DEFAULT_MODEL_DIR
+from gpt2attn.shipped import DEFAULT_MODEL_DIR
 from helpers import hf_twin, randomize, tiny_config
 
 # A random model whose greedy rows are not one repeated token (std 0.5 spreads the logits).

@@ -2,12 +2,18 @@
 function, anything that (through any chain) imports it back.
 
 The graph is read from the source with `ast`, so imports that only run on some code path count too.
+Last, what the command line's --help imports (nothing heavy: its parser is built without torch).
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import gpt2attn
 
@@ -134,3 +140,37 @@ def test_upward_arrows_are_found():
     graph = {"gpt2attn.pretrained": {"gpt2attn.interop.peft", "gpt2attn.config"}, "gpt2attn.interop.peft": set(),
              "gpt2attn": {"gpt2attn.interop.hooks"}}
     assert upward_arrows(graph) == ["gpt2attn.pretrained -> gpt2attn.interop.peft"]
+
+
+def modules_after(code: str, *args: str) -> set[str]:
+    """sys.modules at the end of `python -c CODE ARGS` in a fresh process (CODE prints them last)."""
+    done = subprocess.run([sys.executable, "-c", code + "\nprint(*sys.modules, file=sys.stderr)", *args],
+                          cwd=PACKAGE_DIR.parent, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return set(done.stderr.splitlines()[-1].split())
+
+
+# `python -m gpt2attn ARGS`, ending normally (as --help and --version do) instead of exiting
+RUN_THE_CLI = """import runpy, sys
+sys.argv[0] = "gpt2attn"
+try:
+    runpy.run_module("gpt2attn", run_name="__main__", alter_sys=True)
+except SystemExit as end:
+    assert end.code == 0, end.code"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["--version"]])
+def test_the_command_lines_help_imports_no_torch(args):
+    """`gpt2attn --help` is fast: the parser is built from the command modules' HELP and
+    add_arguments, which import neither torch nor the tokenizers library (each command's run() does)."""
+    imported = modules_after(RUN_THE_CLI, *args)
+    assert {"gpt2attn.cli", "gpt2attn.commands.train"} <= imported  # the modules were read
+    assert not imported & {"torch", "numpy", "tokenizers"}
+
+
+def test_import_gpt2attn_imports_the_model_only_when_a_name_is_used():
+    """`import gpt2attn` is light; `gpt2attn.GPT2LMHeadModel` (or `from gpt2attn import ...`) imports it."""
+    assert "torch" not in modules_after("import sys, gpt2attn")
+    assert {"torch", "gpt2attn.model"} <= modules_after("import sys, gpt2attn; gpt2attn.GPT2LMHeadModel")
+    assert "gpt2attn.heads" in modules_after("import sys; from gpt2attn import GPT2DoubleHeadsModel")

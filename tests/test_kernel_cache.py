@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2attn import GPT2LMHeadModel, kernels
+from gpt2attn import GPT2LMHeadModel, cpu, kernels
 from helpers import kernel_builds, needs_kernels, randomize, tiny_config
 
 TESTS = Path(__file__).resolve().parent
@@ -203,7 +203,7 @@ def test_the_kernels_switched_on(built, cache, monkeypatch, value, said):
 
 @pytest.mark.parametrize("value", ["0", "false", "no", "off"])
 def test_avx512_switched_off_builds_the_avx2_kernels(monkeypatch, value):
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *kernels.AVX512})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c", *kernels.AVX512})
     monkeypatch.setenv("GPT2ATTN_AVX512", value)
     assert kernels.flags() == kernels.FLAGS
     monkeypatch.setenv("GPT2ATTN_AVX512", "yes")
@@ -212,7 +212,7 @@ def test_avx512_switched_off_builds_the_avx2_kernels(monkeypatch, value):
 
 def test_avx512_is_built_only_where_the_cpu_has_all_of_it(monkeypatch):
     monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
     assert kernels.flags() == kernels.FLAGS
 
 
@@ -225,10 +225,10 @@ def test_the_cache_key_follows_everything_a_build_depends_on(monkeypatch, tmp_pa
     monkeypatch.undo()
     assert kernels.cache_key(kernels.SOURCES, kernels.FLAGS) == base
     assert kernels.cache_key(kernels.SOURCES, kernels.FLAGS + ["-mavx512f"]) != base
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c"})
     assert kernels.cache_key(kernels.SOURCES, kernels.FLAGS) != base
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "_cpu_name", lambda: "another CPU")
+    monkeypatch.setattr(cpu, "name", lambda: "another CPU")
     assert kernels.cache_key(kernels.SOURCES, kernels.FLAGS) != base
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "/usr/bin/another-c++")
@@ -241,7 +241,7 @@ def test_a_compiler_without_avx512_builds_the_avx2_kernels(cache, monkeypatch, t
     refuses.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in -mavx512*) exit 1;; esac; done\nexec {kernels._compiler()} "$@"\n')
     refuses.chmod(0o755)
     monkeypatch.setenv("CXX", str(refuses))
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", *kernels.AVX512})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c", *kernels.AVX512})
     lib, said = library_with_warnings()
     assert lib is not None and said == []
     assert [path.name for path in cache.glob("*.so")] == [kernels.build(kernels.SOURCES, kernels.FLAGS, []).name]
@@ -251,4 +251,4 @@ def test_a_compiler_without_avx512_builds_the_avx2_kernels(cache, monkeypatch, t
 @needs_kernels
 def test_every_build_this_cpu_runs_is_loaded_by_the_tests():
     """The kernel and step tests run each of these; an AVX-512 CPU has two."""
-    assert sorted(kernel_builds()) == (["avx2", "avx512"] if set(kernels.AVX512) <= kernels._cpu_flags() else ["avx2"])
+    assert sorted(kernel_builds()) == (["avx2", "avx512"] if set(kernels.AVX512) <= cpu.flags() else ["avx2"])

@@ -247,7 +247,7 @@ def test_q4_generates_alike_through_the_step_the_modules_and_the_references(monk
 def test_q4_validation_loss_within_one_percent_of_fp32():
     """The shipped char model on tinyshakespeare's validation split (its last 10%), 64 blocks of
     128 characters, as test_quantize's int8 test: the 4-bit weights through the prefill path."""
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     text = (shared_data("tinyshakespeare") / "input.txt").read_text()

@@ -172,7 +172,7 @@ def test_cli_generate_quantize_int8(tmp_path, capsys, models):
 def test_int8_validation_loss_within_half_a_percent_of_fp32():
     """The shipped char model on a fixed slice of tinyshakespeare's validation split (its last
     10%, as the training recipe splits it): 64 blocks of 128 characters."""
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     text = (shared_data("tinyshakespeare") / "input.txt").read_text()
@@ -193,7 +193,7 @@ def test_int8_decoding_loss_within_half_a_percent_of_fp32():
     (8 blocks, batch 8): the path generate takes, with int8 input blocks in the kernel."""
     import torch.nn.functional as F
 
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
     from gpt2attn.tokenizer import load_tokenizer
 
     text = (shared_data("tinyshakespeare") / "input.txt").read_text()
@@ -223,10 +223,10 @@ ONEDNN = "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, 
     ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, ONEDNN), ("bf16", "bfloat16", {"amx_bf16"}, ONEDNN)])
 def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeypatch):
     """A bf16 prompt takes the CPU's own bf16 products where it has them (the flags are this test's)."""
-    import gpt2attn.quantize as Q
+    from gpt2attn import cpu
     from gpt2attn import kernels as K
 
-    monkeypatch.setattr(Q, "_cpu_flags", lambda: cpu_flags)
+    monkeypatch.setattr(cpu, "flags", lambda: cpu_flags)
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=0).quantize(mode)
     decode = f"gpt2attn {dtype} rows" if K.available() else "plain torch"
     assert model.transformer.h[0].attn.c_attn.kernel == f"decode: {decode}; prefill: {prefill}"
@@ -235,10 +235,10 @@ def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeyp
 @pytest.mark.parametrize("flags, native", [({"avx2", "fma"}, []), ({"avx2", "avx512_bf16"}, ["avx512_bf16"]),
                                            ({"amx_bf16", "avx512_bf16"}, ["amx_bf16", "avx512_bf16"])])
 def test_cpu_bf16_report_reads_the_cpu_flags(monkeypatch, flags, native):
-    import gpt2attn.quantize as Q
+    from gpt2attn import cpu
 
-    monkeypatch.setattr(Q, "_cpu_flags", lambda: flags)
-    has, sentence = Q.cpu_bf16_report()
+    monkeypatch.setattr(cpu, "flags", lambda: flags)
+    has, sentence = cpu.bf16_report()
     assert has is bool(native)
     if native:
         assert sentence.startswith(f"this CPU has {' and '.join(native)} (torch capability ")
@@ -254,8 +254,9 @@ def test_each_mode_computes_x_times_its_rounded_weight_for_steps_and_prompts(mod
     "bf16 native": the oneDNN prompt path, whose input and output are rounded to bf16 too. The CPU
     flags are the test's (torch emulates bf16 products where the CPU lacks them)."""
     import gpt2attn.quantize as Q
+    from gpt2attn import cpu
 
-    monkeypatch.setattr(Q, "_cpu_flags", lambda: {"avx512_bf16"} if mode == "bf16 native" else {"avx2"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx512_bf16"} if mode == "bf16 native" else {"avx2"})
     dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.bfloat16)
     cfg = tiny_config(n_embd=64, vocab_size=300, tie_word_embeddings=False)
     plain = randomize(GPT2LMHeadModel(cfg), seed=3, std=0.1).eval()

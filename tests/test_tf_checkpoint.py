@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
-from gpt2attn.tf_checkpoint import crc32c, gpt2_name, read_bundle
+from gpt2attn.formats.tf_checkpoint import crc32c, gpt2_name, read_bundle
 
 TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
 

@@ -100,7 +100,7 @@ def test_a_char_vocabulary_is_encoded_by_lookup_with_tokenizers_ids(monkeypatch,
 
 
 def test_a_char_vocabulary_s_own_encode_names_the_missing_character(tmp_path):
-    from gpt2attn.generation import DEFAULT_MODEL_DIR
+    from gpt2attn.shipped import DEFAULT_MODEL_DIR
 
     shipped = load_tokenizer(DEFAULT_MODEL_DIR)  # the default model's character vocabulary
     for tok in (shipped, char_tokenizer("abc ")):

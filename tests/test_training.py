@@ -277,7 +277,7 @@ def test_dtype_auto_trains_in_bf16_only_where_the_cpu_has_it(monkeypatch, native
     and float32 without; bfloat16 asked for without it still runs, with a warning naming auto."""
     from gpt2attn.training import loop
 
-    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (native, "this CPU (patched)"))
+    monkeypatch.setattr("gpt2attn.cpu.bf16_report", lambda: (native, "this CPU (patched)"))
     cpu = torch.device("cpu")
     assert loop.autocast_dtype("auto", cpu, say=True) == ("bfloat16" if native else "float32")
     assert "dtype auto" in capsys.readouterr().out

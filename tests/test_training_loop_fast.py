@@ -566,7 +566,7 @@ def test_bfloat16_warning_points_at_the_caller(monkeypatch):
     frame between the caller and the function."""
     import inspect
 
-    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (False, "no bf16 here (patched)"))
+    monkeypatch.setattr("gpt2attn.cpu.bf16_report", lambda: (False, "no bf16 here (patched)"))
     seen = []
 
     def warn(message, category=UserWarning, stacklevel=1):

@@ -93,7 +93,7 @@ def test_last_step_is_evaluated_checkpointed_and_published(text_file, tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bfloat16_warns_only_without_native_bf16(monkeypatch, native):
-    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (native, "this CPU (patched)"))
+    monkeypatch.setattr("gpt2attn.cpu.bf16_report", lambda: (native, "this CPU (patched)"))
     cpu = torch.device("cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -107,10 +107,10 @@ def test_bfloat16_warns_only_without_native_bf16(monkeypatch, native):
 
 
 def test_autocast_auto_follows_the_device(monkeypatch, capsys):
-    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (True, "has it (patched)"))
+    monkeypatch.setattr("gpt2attn.cpu.bf16_report", lambda: (True, "has it (patched)"))
     assert loop.autocast_dtype("auto", torch.device("cpu"), say=False) == "bfloat16"
     assert capsys.readouterr().out == ""
-    monkeypatch.setattr(loop, "cpu_bf16_report", lambda: (False, "lacks it (patched)"))
+    monkeypatch.setattr("gpt2attn.cpu.bf16_report", lambda: (False, "lacks it (patched)"))
     assert loop.autocast_dtype("auto", torch.device("cpu"), say=True) == "float32"
     assert "lacks it (patched)" in capsys.readouterr().out
 

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from ..files import write_atomic, write_text_atomic
-from ..generation import DEFAULT_MODEL_DIR
-from ..tokenizer import visible
+from ..shipped import DEFAULT_MODEL_DIR
 from . import load_tokenizer_of, model_folder
 
 HELP = "draw the attention weights of one layer (all heads, or one) over a text, as PNG or JSON"
@@ -40,6 +39,8 @@ def run(args) -> int:
         else:
             sys.stdout.write(text)
     else:
+        from ..tokenizer import visible
+
         draw([visible(t) for t in tokens], weights, layer, heads, args.out)
     if args.out:
         print(f"wrote {args.out}: layer {layer}, {len(heads)} head(s), {len(tokens)} tokens", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..generation import DEFAULT_MODEL_DIR
+from ..shipped import DEFAULT_MODEL_DIR
 from . import load_tokenizer_of, model_folder
 
 HELP = "write one self-contained HTML page with every layer and head, head ablations and decoding steps"

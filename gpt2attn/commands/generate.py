@@ -37,7 +37,7 @@ def run(args) -> int:
     import torch
 
     from . import load_tokenizer_of, model_folder
-    from ..generation import DEFAULT_MODEL_DIR
+    from ..shipped import DEFAULT_MODEL_DIR
     from ..model import GPT2LMHeadModel
     from ..tokenizer import encode
 

@@ -15,7 +15,7 @@
     llmc.py        llm.c's gpt2_124M.bin model files (fp32, bf16)
     gguf.py        llama.cpp's GGUF (read F32 ... Q6_K, write f32/f16/bf16/q8_0/q4; tokenizer embedded)
     nanogpt.py     nanoGPT's ckpt.pt (read)
-    openai_tf.py   OpenAI's TensorFlow release (read; the bundle reader is gpt2attn/tf_checkpoint.py)
+    openai_tf.py   OpenAI's TensorFlow release (read; the bundle reader is tf_checkpoint.py)
 
 FORMATS is the registry: a new format is a new module added there. gpt2attn/loader.py turns what
 read() returns into a model; hub names are found by gpt2attn/hub.py before any format is asked.

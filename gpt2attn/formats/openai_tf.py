@@ -1,5 +1,5 @@
 """OpenAI's TensorFlow release of GPT-2: a folder with hparams.json and model.ckpt.* (a TF tensor
-bundle, read without TensorFlow by gpt2attn/tf_checkpoint.py). Read only.
+bundle, read without TensorFlow by tf_checkpoint.py beside it). Read only.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from torch import Tensor
 
 from ..config import CONFIG_NAME, GPT2Config
-from ..tf_checkpoint import load_tf_checkpoint
+from .tf_checkpoint import load_tf_checkpoint
 
 NAME = "openai_tf"
 SUFFIXES = ()  # a folder

@@ -1,8 +1,10 @@
 """Text generation for GPT2LMHeadModel, as transformers' generate() does it.
 
 Sits below the model: generate(model, ...) drives the model it is given (its `transformer` and
-`lm_head`) and imports only cache.py and outputs.py of gpt2attn; model.py imports this package for
-its generate() / generation_config.
+`lm_head`), and model.py imports this package for its generate() / generation_config. It imports
+from gpt2attn only what lies below the model: cache.py, outputs.py and errors.py (files.py to
+save a config), and, for the decoder's one-call step, the layers (layers.py), quantize.py's layer
+classes, the kernels and decode_step.py.
 
     config.py      GenerationConfig: defaults from the model, overridden by keywords
     processors.py  logits processors, one small function each
@@ -13,16 +15,11 @@ its generate() / generation_config.
     mixin.py       GenerationMixin: generate() and its companions as methods of a model class
 """
 
-from pathlib import Path
-
 from .config import GenerationConfig, as_generation_config
 from .generate import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, compute_transition_scores, generate
 from .mixin import GenerationMixin
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
-
 __all__ = [
-    "DEFAULT_MODEL_DIR",
     "GenerateBeamDecoderOnlyOutput",
     "GenerateDecoderOnlyOutput",
     "GenerationConfig",

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import q4_k
+from .. import cpu, q4_k
 
 SOURCES = [Path(__file__).with_name("decode.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]  # included by decode.cpp: part of the cache key
@@ -106,7 +106,7 @@ def _switch(name: str, notes: list[str]) -> bool:
 def _load(notes: list[str]) -> ctypes.CDLL:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise Unavailable(f"they are built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
-    missing = [flag for flag in NEEDS if flag not in _cpu_flags()]
+    missing = [flag for flag in NEEDS if flag not in cpu.flags()]
     if missing:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     compiler = _compiler()
@@ -129,7 +129,7 @@ def _load(notes: list[str]) -> ctypes.CDLL:
 def flags(notes: list[str] | None = None) -> list[str]:
     """The compiler flags for this CPU: AVX2, FMA and F16C, and AVX-512 where the CPU has all of
     AVX512 (unless GPT2ATTN_AVX512 is off)."""
-    wide = _switch("GPT2ATTN_AVX512", [] if notes is None else notes) and set(AVX512) <= _cpu_flags()
+    wide = _switch("GPT2ATTN_AVX512", [] if notes is None else notes) and set(AVX512) <= cpu.flags()
     return FLAGS + (list(AVX512.values()) if wide else [])
 
 
@@ -143,27 +143,6 @@ def instruction_set() -> str:
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cache_dir() -> Path:
@@ -180,7 +159,7 @@ def cache_key(sources: list[Path], build_flags: list[str]) -> str:
     """What a build depends on: the sources and headers, the flags, the compiler and this CPU."""
     key = hashlib.sha256()
     for part in (*(path.read_bytes() for path in sources + HEADERS), " ".join(build_flags), _compiler() or "",
-                 _cpu_name(), " ".join(sorted(_cpu_flags()))):
+                 cpu.name(), " ".join(sorted(cpu.flags()))):
         key.update(part if isinstance(part, bytes) else part.encode())
         key.update(b"\0")
     return key.hexdigest()[:16]

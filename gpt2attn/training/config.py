@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..config import _configs_dir
+from ..shipped import configs_dir
 
 
 @dataclass
@@ -73,7 +73,7 @@ class TrainConfig:
 
 def packaged_recipes() -> list[str]:
     """Names of the training recipes that ship with gpt2attn (configs/train/*.toml)."""
-    return sorted(p.stem for p in (_configs_dir() / "train").glob("*.toml"))
+    return sorted(p.stem for p in (configs_dir() / "train").glob("*.toml"))
 
 
 def find_recipe(name_or_path: str | Path) -> Path:
@@ -82,7 +82,7 @@ def find_recipe(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    packaged = _configs_dir() / "train" / (path.stem + ".toml")
+    packaged = configs_dir() / "train" / (path.stem + ".toml")
     if path.name == str(name_or_path) and path.suffix in ("", ".toml") and packaged.is_file():
         return packaged
     raise FileNotFoundError(

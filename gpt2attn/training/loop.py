@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import cpu
 from ..config import GPT2Config
 from ..errors import CheckpointError
 from ..files import link_or_copy, remove_tree, replace_folder, write_atomic, write_text_atomic
 from ..formats.hf import write_model
 from ..formats.state_dict import torch_load
 from ..model import GPT2LMHeadModel
-from ..quantize import cpu_bf16_report
 from . import distributed
 from .config import TrainConfig
 from .data import TokenData, prepare_data
@@ -220,7 +220,7 @@ def autocast_dtype(dtype: str, device: torch.device, say: bool) -> str:
     """The autocast dtype to train in. "auto" is bfloat16 where the device multiplies it natively
     (a CPU with AMX or AVX512-BF16, a CUDA GPU that supports it) and float32 elsewhere; bfloat16
     asked for on a CPU without it runs (emulated, many times slower), with a warning that says so."""
-    native, sentence = cpu_bf16_report() if device.type == "cpu" else (
+    native, sentence = cpu.bf16_report() if device.type == "cpu" else (
         device.type == "cuda" and torch.cuda.is_bf16_supported(), f"{device.type} device")
     if dtype == "auto":
         dtype = "bfloat16" if native else "float32"

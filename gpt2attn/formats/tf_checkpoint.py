@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import GPT2Config
-from .errors import CheckpointError, read_json_file
+from ..config import GPT2Config
+from ..errors import CheckpointError, read_json_file
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48

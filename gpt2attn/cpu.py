@@ -1,0 +1,51 @@
+"""What this CPU offers, as the kernels, quantize, training and the benchmarks ask it: its flags,
+its model name, and whether it multiplies bf16 natively.
+
+Read from /proc/cpuinfo on every call (a file in memory: microseconds), so a test that patches
+`flags` here changes what every user sees. Where /proc/cpuinfo is absent (not Linux) there are no
+flags and the name is platform.processor()'s.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def flags() -> set[str]:
+    """The first processor's feature flags (x86's `flags`, ARM's `Features`), e.g. {'avx2', 'fma', ...}."""
+    for line in _cpuinfo():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def name() -> str:
+    """The CPU's model name ('AMD EPYC 9R14 ...'); platform.processor() where /proc/cpuinfo has none."""
+    for line in _cpuinfo():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.processor()
+
+
+def bf16_report() -> tuple[bool, str]:
+    """(whether this CPU multiplies bf16 natively, a sentence saying what it has)."""
+    native = sorted(flags() & {"amx_bf16", "avx512_bf16"})
+    capability = torch.backends.cpu.get_cpu_capability()
+    if native:
+        return True, f"this CPU has {' and '.join(native)} (torch capability {capability}): bf16 matrix products are native"
+    return False, (
+        f"this CPU has neither amx_bf16 nor avx512_bf16 (torch capability {capability}), so torch emulates "
+        f"bf16 matrix products, tens of times slower than fp32"
+    )
