@@ -543,7 +543,7 @@ def test_sentence_pair_filter_shows_exactly_the_chosen_query_and_key_segments(br
 
 @pytest.mark.slow
 def test_no_sentence_pair_filter_without_a_split(browser, char_pages):
-    page = char_pages["short"].open(browser)
+    char_pages["short"].open(browser)
     assert not browser.find_element("id", "mfilter").is_displayed()
     browser.find_element("id", "tab-head").click()
     assert not browser.find_element("id", "filter").is_displayed()
