@@ -9,8 +9,8 @@ The class is given by the caller (model.py), so this module never imports the mo
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -134,6 +134,14 @@ def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device,
     return model.eval(), info
 
 
+# The loading report (weights dropped or newly initialised) goes where transformers logs its own:
+# Python's logger "transformers.modeling_utils", at WARNING. So transformers' verbosity settings
+# (transformers.logging.set_verbosity_error()) and tools that capture that logger see ours too, as
+# code written for transformers expects; a logger is only a name, so transformers is not imported.
+# With no logging set up at all, Python prints the warning to stderr.
+LOAD_REPORT = logging.getLogger("transformers.modeling_utils")
+
+
 def forgive(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str], lenient: Leniency,
             where: str) -> dict[str, Any]:
     """transformers' loading report. The keys `lenient` forgives are taken out of `state` (to be
@@ -143,19 +151,20 @@ def forgive(state: dict[str, Tensor], expected: dict[str, Tensor], skip: set[str
     unexpected = {k for k in state if k not in expected}
     info: dict[str, Any] = {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     if lenient.mismatched and mismatched:
+        state_shapes = {k: state[k].shape for k in mismatched}
         for key in mismatched:
             del state[key]
         info["mismatched_keys"] = mismatched
-        warnings.warn(f"{where}: weights of the wrong shape, newly initialised: {shorten(sorted(mismatched))}",
-                      stacklevel=5)
+        shapes = [f"{k} (Reinit due to size mismatch - checkpoint {tuple(state_shapes[k])} vs model "
+                  f"{tuple(expected[k].shape)})" for k in sorted(mismatched)]
+        LOAD_REPORT.warning(f"{where}: weights of the wrong shape, newly initialised: {shorten(shapes)}")
     if lenient.missing:
         for key in unexpected:
             del state[key]
         info["unexpected_keys"] = unexpected
         info["missing_keys"] = missing
         if missing:
-            warnings.warn(f"{where}: weights the checkpoint lacks, newly initialised: {shorten(sorted(missing))}",
-                          stacklevel=5)
+            LOAD_REPORT.warning(f"{where}: weights the checkpoint lacks, newly initialised: {shorten(sorted(missing))}")
     return info
 
 
@@ -195,12 +204,10 @@ def fit_head_keys(
         del state[key]
     if dropped:
         unused = ", ".join(dropped)
-        warnings.warn(f"{where}: {cls} does not use these weights of the checkpoint: {unused}", stacklevel=5)
+        LOAD_REPORT.warning(f"{where}: {cls} does not use these weights of the checkpoint: {unused}")
     if new:
-        warnings.warn(
-            f"{where}: {cls} has weights the checkpoint lacks, newly initialised (train them before use): "
-            f"{', '.join(new)}", stacklevel=5,
-        )
+        LOAD_REPORT.warning(f"{where}: {cls} has weights the checkpoint lacks, newly initialised (train them "
+                            f"before use): {', '.join(new)}")
     return new
 
 

@@ -7,6 +7,9 @@ missing before (transformers' own test file, ../shared/hf-tests, found them).
 from __future__ import annotations
 
 import inspect
+import io
+import logging
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -153,14 +156,28 @@ def test_remove_invalid_values_makes_the_logits_finite():
     assert all(torch.isfinite(s).all() for s in out.scores)
 
 
+@contextmanager
+def load_report():
+    """What from_pretrained writes to the logger transformers writes its loading report to. The handler
+    sits on that logger itself: once transformers is imported, its loggers stop propagating at its root."""
+    stream, logger = io.StringIO(), logging.getLogger("transformers.modeling_utils")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_from_pretrained_loading_report(tmp_path):
     model = GPT2LMHeadModel(tiny_config())
     model.save_pretrained(tmp_path)
     loaded, info = GPT2Model.from_pretrained(tmp_path, output_loading_info=True)
     assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
     assert max_diff(loaded.wte.weight, model.transformer.wte.weight) == 0.0
-    with pytest.warns(UserWarning, match="has weights the checkpoint lacks"):
+    with load_report() as report:
         _, info = gpt2attn.GPT2DoubleHeadsModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert "has weights the checkpoint lacks" in report.getvalue()
     assert info["missing_keys"] == {"multiple_choice_head.summary.weight", "multiple_choice_head.summary.bias"}
     # a head with another number of labels: refused, unless mismatched sizes are forgiven
     head = gpt2attn.GPT2ForSequenceClassification(tiny_config(pad_token_id=0))
@@ -169,13 +186,21 @@ def test_from_pretrained_loading_report(tmp_path):
         gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5)
     with pytest.raises(RuntimeError, match="shape mismatch for score.weight"):  # what transformers raises
         gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5)
-    with pytest.warns(UserWarning, match="weights of the wrong shape, newly initialised: score.weight"):
+    with load_report() as report:
         five = gpt2attn.GPT2ForSequenceClassification.from_pretrained(tmp_path / "head", num_labels=5,
                                                                        ignore_mismatched_sizes=True)
+    assert ("weights of the wrong shape, newly initialised: score.weight (Reinit due to size mismatch - "
+            "checkpoint (2, 32) vs model (5, 32))") in report.getvalue()
     assert five.score.weight.shape == (5, 32)
-    with pytest.warns(UserWarning, match="wrong shape"):
-        _, info = gpt2attn.GPT2ForSequenceClassification.from_pretrained(
-            tmp_path / "head", num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # transformers' own switch silences our report too
+    try:
+        with load_report() as report:
+            _, info = gpt2attn.GPT2ForSequenceClassification.from_pretrained(
+                tmp_path / "head", num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    assert report.getvalue() == ""
     assert info["mismatched_keys"] == {"score.weight"} and info["missing_keys"] == set()  # reported apart
 
 
