@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..config import GPT2Config, inner_dim
 from ..errors import CheckpointError
-from .state_dict import check_state_dict, infer_config, layer_indices, normalize_keys, read_bin
+from .state_dict import check_state_dict, config_from_hparams, infer_config, layer_indices, normalize_keys, read_bin
 
 NAME = "nanogpt"
 SUFFIXES = (".pt", ".ckpt")
@@ -50,24 +50,11 @@ def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, di
     check_state_dict(model, where)
     if not isinstance(args, dict):
         raise CheckpointError(where, f"the nanoGPT checkpoint's 'model_args' is a {type(args).__name__}, not a dict")
-    missing = [key for key in ("vocab_size", "block_size", "n_embd", "n_layer", "n_head") if key not in args]
-    if missing:
-        raise CheckpointError(where, f"the nanoGPT checkpoint's 'model_args' has no {', '.join(missing)}")
     dropout = args.get("dropout", 0.0)
-    try:
-        config = GPT2Config(
-            vocab_size=args["vocab_size"],
-            n_positions=args["block_size"],
-            n_embd=args["n_embd"],
-            n_layer=args["n_layer"],
-            n_head=args["n_head"],
-            activation_function="gelu",
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(where, f"model_args: {e}") from None
+    names = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_embd": "n_embd", "n_layer": "n_layer",
+             "n_head": "n_head"}
+    config = config_from_hparams(args, names, where, "model_args", activation_function="gelu",
+                                 resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     state = {}
     for name, t in normalize_keys(model, prefixed=True).items():
         if name.endswith(NANOGPT_LINEARS) and t.dim() != 2:

@@ -76,6 +76,20 @@ def layer_indices(state: dict[str, Tensor]) -> set[int]:
     return {i for key in state if (i := layer_of(key)) is not None}
 
 
+def config_from_hparams(hparams: dict, names: dict[str, str], where: str | Path, field: str,
+                        **fixed: Any) -> GPT2Config:
+    """GPT2Config from another project's hyperparameters (the dict `field` of the file `where`): our
+    field F takes hparams[names[F]], `fixed` sets others. A key it lacks or a value GPT2Config refuses
+    is a CheckpointError naming the file and the field."""
+    missing = sorted(theirs for theirs in names.values() if theirs not in hparams)
+    if missing:
+        raise CheckpointError(where, f"{field} has no {', '.join(missing)}")
+    try:
+        return GPT2Config(**{ours: hparams[theirs] for ours, theirs in names.items()}, **fixed)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(where, f"{field}: {e}") from None
+
+
 def infer_config(state: dict[str, Tensor], where: str | Path = "state dict") -> GPT2Config:
     """A config from a bare state dict's shapes (n_head from OpenAI's sizes)."""
     state = normalize_keys(state, prefixed=False)

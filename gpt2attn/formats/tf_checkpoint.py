@@ -21,6 +21,7 @@ import torch
 
 from ..config import GPT2Config
 from ..errors import CheckpointError, read_json_file
+from .state_dict import config_from_hparams
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48
@@ -274,19 +275,8 @@ def load_tf_checkpoint(folder: Path) -> tuple[GPT2Config, dict[str, torch.Tensor
     hp = read_json_file(hparams_path)
     if not isinstance(hp, dict):
         raise CheckpointError(hparams_path, f"expected a JSON object of hyperparameters, found a {type(hp).__name__}")
-    missing = [key for key in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer") if key not in hp]
-    if missing:
-        raise CheckpointError(hparams_path, f"missing {', '.join(map(repr, missing))}")
-    try:
-        config = GPT2Config(
-            vocab_size=hp["n_vocab"],
-            n_positions=hp["n_ctx"],
-            n_embd=hp["n_embd"],
-            n_head=hp["n_head"],
-            n_layer=hp["n_layer"],
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(hparams_path, str(e)) from None
+    names = {"vocab_size": "n_vocab", "n_positions": "n_ctx", "n_embd": "n_embd", "n_head": "n_head", "n_layer": "n_layer"}
+    config = config_from_hparams(hp, names, hparams_path, "hparams.json")
     config.bos_token_id = config.eos_token_id = config.vocab_size - 1  # <|endoftext|> is the last id
     prefix = "model.ckpt"
     if (folder / "checkpoint").exists():  # 'model_checkpoint_path: "model.ckpt"'
