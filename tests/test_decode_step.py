@@ -7,6 +7,7 @@ The reference for each comparison is the same model run through its modules (for
 model, the per-layer kernels), so the only difference is the step: same weights, same rounding."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -118,6 +119,28 @@ def test_step_at_gpt2_small_shapes(gpt2_small_blocks, build, mode, large_scores,
     tolerance = 0.05 if mode == "int8" else 1e-5
     assert max_diff(got, expected) / expected.abs().max() < tolerance
     assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < tolerance
+
+
+@needs_kernels
+def test_the_step_keeps_the_tensors_it_points_into():
+    """DecodeStep hands decode.cpp raw pointers into the model's tensors and keeps those tensors:
+    with the model it was made from deleted and its memory reused, it computes the same logits."""
+    model = model_for("plain")
+    expected, _, _, _ = both_ways(model, 2)
+    gone = copy.deepcopy(model)
+    step = DecodeStep(gone)
+    del gone
+    gc.collect()
+    # had the step let go of a tensor, its memory is taken again here and filled with NaN (the tiny
+    # model's blocks, under malloc's mmap threshold, come back from its free lists)
+    litter = [torch.full_like(p, float("nan")) for p in model.parameters() for _ in range(3)]
+    ids = torch.randint(0, 203, (2, 7), generator=torch.Generator().manual_seed(2))  # both_ways' ids for B=2
+    cache = KVCache.preallocate(2, 2, 4, 16, 16)
+    with torch.no_grad(), num_threads(2):
+        model(ids[:, :6], cache=cache)
+        got = step(ids[:, 6:], cache)
+    del litter
+    assert max_diff(got, expected) < 1e-5
 
 
 @needs_kernels
