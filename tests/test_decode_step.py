@@ -8,6 +8,7 @@ model, the per-layer kernels), so the only difference is the step: same weights,
 
 import copy
 import gc
+import re
 
 import pytest
 import torch
@@ -276,6 +277,27 @@ def test_unfused_reason_names_each_obstacle(monkeypatch):
     block = copy.deepcopy(plain)
     block.transformer.h[0].mlp = nn.Sequential(block.transformer.h[0].mlp).eval()
     assert D.unfused_reason(block) == "a module of transformer.h.0 was replaced"
+
+
+def test_a_layer_the_step_does_not_know_is_named_when_it_is_made():
+    """DecodeStep made directly (generate asks unfused_reason first)."""
+    model = model_for("plain")
+    model.transformer.h[1].mlp.c_fc = Wrapped(model.transformer.h[1].mlp.c_fc)
+    message = "Wrapped: the decoding step takes Conv1D, nn.Linear or quantize() layers"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        DecodeStep(model)
+
+
+@pytest.mark.parametrize("gain", ["strided", "fp64", "meta"])
+def test_a_vector_that_is_not_contiguous_fp32_on_the_cpu_is_refused_rather_than_read(gain):
+    model = model_for("plain")  # its LayerNorm gains are (64,)
+    model.transformer.h[0].ln_1.weight = nn.Parameter({
+        "strided": lambda: torch.ones(128)[::2],
+        "fp64": lambda: torch.ones(64, dtype=torch.float64),
+        "meta": lambda: torch.ones(64, device="meta"),
+    }[gain]())
+    with pytest.raises(AssertionError):
+        DecodeStep(model)
 
 
 @needs_kernels
