@@ -83,7 +83,7 @@ TEST_MAP = {
         "tests/test_files.py",
     ],
     "gpt2attn/quantize.py": ["tests/test_quantize.py", "tests/test_kernels.py", "tests/test_decode_step.py"],
-    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_kernels.py", "tests/test_quantize.py"],
+    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_q4.py", "tests/test_kernels.py"],  # q4: the Q4_K rows
     "gpt2attn/pretrained.py": [
         "tests/test_model_api.py", "tests/test_surface.py", "tests/test_checkpoint.py", "tests/test_quantize.py",
     ],
@@ -298,7 +298,7 @@ def main() -> None:
     if run.returncode != 0:
         if "failed to collect stats" in (workdir / "mutmut.log").read_text():
             # mutmut traces the tests in a child process whose output does not reach the log
-            print("a selected test fails in the mutated copy with no mutant active; to see which: cd "
+            print("the selected tests failed in the mutated copy with no mutant active; to see why: cd "
                   f"{workdir / 'mutants'} && PYTHONPATH=. python -m pytest -x -q {' '.join(tests)}")
         sys.exit(f"mutmut exited with {run.returncode}; see {workdir / 'mutmut.log'}")
 
