@@ -83,7 +83,7 @@ TEST_MAP = {
         "tests/test_files.py",
     ],
     "gpt2attn/quantize.py": ["tests/test_quantize.py", "tests/test_kernels.py", "tests/test_decode_step.py"],
-    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_kernels.py", "tests/test_quantize.py"],
+    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_q4.py", "tests/test_kernels.py"],  # q4: the Q4_K rows
     "gpt2attn/pretrained.py": [
         "tests/test_model_api.py", "tests/test_surface.py", "tests/test_checkpoint.py", "tests/test_quantize.py",
     ],
@@ -131,9 +131,9 @@ def tests_for(files: list[str], root: Path) -> list[str]:
 
 
 def populate(workdir: Path, rev: str | None) -> None:
-    """Copy the package, tests, configs, docs (pages some tests read) and pyproject.toml into
-    `workdir` (at `rev` if given)."""
-    parts = ["gpt2attn", "tests", "configs", "docs", "pyproject.toml"]
+    """Copy the package, tests, configs, docs (pages some tests read), scripts (helpers some tests
+    import, e.g. bench_common) and pyproject.toml into `workdir` (at `rev` if given)."""
+    parts = ["gpt2attn", "tests", "configs", "docs", "scripts", "pyproject.toml"]
     if rev:
         archive = subprocess.run(["git", "archive", rev, *parts], cwd=REPO, check=True,
                                  capture_output=True).stdout
@@ -162,7 +162,7 @@ def configure(workdir: Path, files: list[str], tests: list[str], timeout_factor:
 [tool.mutmut]
 source_paths = ["gpt2attn"]
 only_mutate = {toml_list(files)}
-also_copy = ["configs", "docs"]
+also_copy = ["configs", "docs", "scripts"]
 pytest_add_cli_args = {toml_list(["-p", "no:cacheprovider", "-x", "-q", *pytest_args])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 timeout_multiplier = {timeout_factor}
@@ -296,6 +296,10 @@ def main() -> None:
               f"--only NAMES --timeout-factor 15 (names in {workdir / 'summary.json'})")
     print(f"\nsurvivors' diffs: {workdir / 'survivors.txt'}   log: {workdir / 'mutmut.log'}")
     if run.returncode != 0:
+        if "failed to collect stats" in (workdir / "mutmut.log").read_text():
+            # mutmut traces the tests in a child process whose output does not reach the log
+            print("the selected tests failed in the mutated copy with no mutant active; to see why: cd "
+                  f"{workdir / 'mutants'} && PYTHONPATH=. python -m pytest -x -q {' '.join(tests)}")
         sys.exit(f"mutmut exited with {run.returncode}; see {workdir / 'mutmut.log'}")
 
 

@@ -7,6 +7,8 @@ The reference for each comparison is the same model run through its modules (for
 model, the per-layer kernels), so the only difference is the step: same weights, same rounding."""
 
 import copy
+import gc
+import re
 
 import pytest
 import torch
@@ -118,6 +120,28 @@ def test_step_at_gpt2_small_shapes(gpt2_small_blocks, build, mode, large_scores,
     tolerance = 0.05 if mode == "int8" else 1e-5
     assert max_diff(got, expected) / expected.abs().max() < tolerance
     assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < tolerance
+
+
+@needs_kernels
+def test_the_step_keeps_the_tensors_it_points_into():
+    """DecodeStep hands decode.cpp raw pointers into the model's tensors and keeps those tensors:
+    with the model it was made from deleted and its memory reused, it computes the same logits."""
+    model = model_for("plain")
+    expected, _, _, _ = both_ways(model, 2)
+    gone = copy.deepcopy(model)
+    step = DecodeStep(gone)
+    del gone
+    gc.collect()
+    # had the step let go of a tensor, its memory is taken again here and filled with NaN (the tiny
+    # model's blocks, under malloc's mmap threshold, come back from its free lists)
+    litter = [torch.full_like(p, float("nan")) for p in model.parameters() for _ in range(3)]
+    ids = torch.randint(0, 203, (2, 7), generator=torch.Generator().manual_seed(2))  # both_ways' ids for B=2
+    cache = KVCache.preallocate(2, 2, 4, 16, 16)
+    with torch.no_grad(), num_threads(2):
+        model(ids[:, :6], cache=cache)
+        got = step(ids[:, 6:], cache)
+    del litter
+    assert max_diff(got, expected) < 1e-5
 
 
 @needs_kernels
@@ -253,6 +277,27 @@ def test_unfused_reason_names_each_obstacle(monkeypatch):
     block = copy.deepcopy(plain)
     block.transformer.h[0].mlp = nn.Sequential(block.transformer.h[0].mlp).eval()
     assert D.unfused_reason(block) == "a module of transformer.h.0 was replaced"
+
+
+def test_a_layer_the_step_does_not_know_is_named_when_it_is_made():
+    """DecodeStep made directly (generate asks unfused_reason first)."""
+    model = model_for("plain")
+    model.transformer.h[1].mlp.c_fc = Wrapped(model.transformer.h[1].mlp.c_fc)
+    message = "Wrapped: the decoding step takes Conv1D, nn.Linear or quantize() layers"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        DecodeStep(model)
+
+
+@pytest.mark.parametrize("gain", ["strided", "fp64", "meta"])
+def test_a_vector_that_is_not_contiguous_fp32_on_the_cpu_is_refused_rather_than_read(gain):
+    model = model_for("plain")  # its LayerNorm gains are (64,)
+    model.transformer.h[0].ln_1.weight = nn.Parameter({
+        "strided": lambda: torch.ones(128)[::2],
+        "fp64": lambda: torch.ones(64, dtype=torch.float64),
+        "meta": lambda: torch.ones(64, device="meta"),
+    }[gain]())
+    with pytest.raises(AssertionError):
+        DecodeStep(model)
 
 
 @needs_kernels
