@@ -17,9 +17,8 @@ from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main
 from gpt2attn.tokenizer import char_tokenizer
 from gpt2attn.training import load_config, read_metrics, train
-from helpers import randomize, tiny_config
+from tests.helpers import REPO, randomize, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=8", "--batch_size=2", "--eval_iters=1",
         "--warmup_iters=0", "--progress=false", "--plot=false", "--device=cpu"]

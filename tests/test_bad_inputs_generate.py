@@ -9,7 +9,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.errors import CheckpointError
 from gpt2attn.generation.config import GenerationConfig, as_generation_config, save_generation_config
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 IDS = torch.tensor([[5, 6, 7]])
 PADDED = torch.tensor([[0, 5, 6], [4, 5, 6]])

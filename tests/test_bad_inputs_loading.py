@@ -18,9 +18,9 @@ import torch
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.tokenizer import char_tokenizer, encode, load_tokenizer
 from gpt2attn.training.loop import read_training_state
-from helpers import randomize, tiny_config
+from tests.helpers import DATA, randomize, tiny_config
 
-TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
+TF_TINY = DATA / "openai-tf-tiny"
 # Two float32 tensors, 16 bytes each: a valid header to spoil one field at a time.
 GOOD = {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
         "b": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}

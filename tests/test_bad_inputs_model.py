@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model, KVCache
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")

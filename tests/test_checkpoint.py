@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
-from helpers import fake_hub_cache, hf_twin, mapped_ranges, max_diff, randomize, tiny_config
+from tests.helpers import fake_hub_cache, hf_twin, mapped_ranges, max_diff, randomize, tiny_config
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60], [9, 9, 70, 1, 33, 12, 96]])
 

@@ -1,6 +1,6 @@
 """A save killed at any moment, or failing half-way, leaves the old model or the new one.
 
-Kill trials run in a worker process (this file run as a script; it never computes in threads,
+Kill trials run in a worker process (this module run with `python -m`; it never computes in threads,
 so it can fork safely). For each trial the worker forks a child that saves again and again,
 alternating two models, until the worker SIGKILLs it: after a random delay, or at its k-th
 file-system operation for every k. This process then loads what is left and compares every
@@ -28,7 +28,7 @@ from gpt2attn import GPT2LMHeadModel, files
 from gpt2attn.cli import main as cli_main
 from gpt2attn.tokenizer import char_tokenizer
 from gpt2attn.training.loop import latest_checkpoint, read_training_state, save_checkpoint
-from helpers import randomize, tiny_config
+from tests.helpers import REPO, randomize, tiny_config
 
 FORMATS = {
     "safetensors": {},
@@ -127,8 +127,8 @@ def worker() -> None:
 
 class Worker:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=Path(__file__).parent)
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=REPO)
 
     def run(self, **job) -> dict:
         self.proc.stdin.write(json.dumps(job) + "\n")

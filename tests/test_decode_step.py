@@ -18,7 +18,7 @@ from gpt2attn.decode_step import DecodeStep
 from gpt2attn.generation import decoder as D
 from gpt2attn.layers import no_tap
 from gpt2attn.quantize import DECODE_ROWS
-from helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
+from tests.helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
 MODES = ["plain", "fp32", "fp16", "bf16", "int8"]  # plain: the model as loaded, no quantize() call
 

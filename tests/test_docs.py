@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO as ROOT
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 DIRECTIVE = re.compile(r"<!--\s*(skip|fixture|slow)\s*(?::\s*(.*?))?\s*-->")

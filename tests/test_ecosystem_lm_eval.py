@@ -9,7 +9,7 @@ import pytest
 lm_eval_hf = pytest.importorskip("lm_eval.models.huggingface")
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from helpers import hf_gpt2_folder  # noqa: E402
+from tests.helpers import hf_gpt2_folder  # noqa: E402
 
 import gpt2attn  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config
 
 from gpt2attn import GPT2LMHeadModel
 

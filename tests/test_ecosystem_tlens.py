@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from helpers import hf_twin, max_diff, randomize, tiny_config
-from test_ecosystem_transformers import char_hf_tokenizer
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config
+from tests.test_ecosystem_transformers import char_hf_tokenizer
 
 from gpt2attn import GPT2LMHeadModel, inspect
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 from gpt2attn import GPT2LMHeadModel, inspect
 

@@ -15,7 +15,7 @@ import tokenizers
 import torch
 import transformers
 
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config
 
 import gpt2attn.interop.trainer  # noqa: F401  (the one import for checkpoints of our model itself)
 from gpt2attn import GPT2LMHeadModel

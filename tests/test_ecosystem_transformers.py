@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model
 from gpt2attn.bridge import BRIDGED

@@ -24,7 +24,7 @@ datasets = pytest.importorskip("datasets")
 import tokenizers  # noqa: E402
 import transformers  # noqa: E402
 
-from helpers import randomize, tiny_config  # noqa: E402
+from tests.helpers import randomize, tiny_config  # noqa: E402
 
 import gpt2attn  # noqa: E402
 

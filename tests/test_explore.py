@@ -13,7 +13,7 @@ from gpt2attn import GPT2LMHeadModel, inspect
 from gpt2attn.cli import main
 from gpt2attn.explore import page_data
 from gpt2attn.tokenizer import encode, load_tokenizer, token_labels
-from helpers import (EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder, lower_triangle_rows,
+from tests.helpers import (EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder, lower_triangle_rows,
                      shared_data, unpack_weights)
 
 HALF_DIGIT = 0.0005 + 1e-6  # a weight printed to 3 digits is within this of the true one

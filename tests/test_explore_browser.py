@@ -24,7 +24,7 @@ from gpt2attn import GPT2LMHeadModel, inspect
 from gpt2attn.cli import main
 from gpt2attn.generation import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import encode, load_tokenizer, token_labels
-from helpers import EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder
+from tests.helpers import EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium (pip install selenium)")
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.explore import TEMPLATE, explore, page_data
 from gpt2attn.tokenizer import encode, load_tokenizer
-from helpers import EXPLORE_TEXT, char_model_folder
+from tests.helpers import EXPLORE_TEXT, char_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import torch
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.explore import SCALE, TOP_K, explore, pack, page_data
 from gpt2attn.tokenizer import encode, load_tokenizer
-from helpers import EXPLORE_TEXT, char_model_folder
-from test_explore_data import embedded_data
+from tests.helpers import EXPLORE_TEXT, char_model_folder
+from tests.test_explore_data import embedded_data
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main

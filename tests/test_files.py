@@ -189,7 +189,7 @@ def test_write_atomic_fsyncs_the_temporary_file_before_renaming_it(tmp_path, mon
                                  "exchange unsupported"])
 def test_every_file_and_folder_is_fsynced_before_the_swap_and_the_parent_after(tmp_path, monkeypatch, how):
     from gpt2attn import GPT2LMHeadModel
-    from helpers import tiny_config
+    from tests.helpers import tiny_config
 
     target = tmp_path / "model"
     if how != "replace_folder, new path":

@@ -20,7 +20,7 @@ import torch.serialization
 from gpt2attn import CheckpointError, GPT2Config, GPT2LMHeadModel
 from gpt2attn.formats.state_dict import check_state_dict, read_bin, refused
 from gpt2attn.training.loop import read_training_state
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import detect_format, format_for_suffix, gguf, hf, llmc, nanogpt, openai_tf, save, weights_file
 from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
-from helpers import randomize, tiny_config
+from tests.helpers import DATA, randomize, tiny_config
 
-TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
-LLMC_FP32 = Path(__file__).parent / "data" / "llmc" / "tiny_fp32.bin"
+TF_TINY = DATA / "openai-tf-tiny"
+LLMC_FP32 = DATA / "llmc" / "tiny_fp32.bin"
 
 
 def model_of(**overrides) -> GPT2LMHeadModel:

@@ -15,12 +15,12 @@ import torch
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.cli import main as cli
 from gpt2attn.formats import detect_format, gguf as ours, save
-from helpers import randomize, tiny_config
+from tests.helpers import DATA as TEST_DATA, randomize, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'gpt2attn[gguf]') reads GGUF")
 transformers = pytest.importorskip("transformers")
 
-DATA = Path(__file__).parent / "data" / "gguf"
+DATA = TEST_DATA / "gguf"
 FIXTURES = {"f16": DATA / "tiny-f16.gguf", "q8_0": DATA / "tiny-q8_0.gguf"}
 Q = gguf.GGMLQuantizationType
 

@@ -22,7 +22,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.formats import gguf as ours, save
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'gpt2attn[gguf]') reads GGUF")
 

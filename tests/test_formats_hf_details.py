@@ -19,7 +19,7 @@ from gpt2attn import CheckpointError, GPT2LMHeadModel, GPT2Model
 from gpt2attn import formats
 from gpt2attn.formats import hf
 from gpt2attn.formats.state_dict import MAX_DIM_SIZE, MAX_DIMS
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60]])
 

@@ -13,9 +13,9 @@ import torch
 
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import detect_format, hf, llmc, save
-from helpers import mapped_ranges, randomize, tiny_config
+from tests.helpers import DATA as TEST_DATA, mapped_ranges, randomize, tiny_config
 
-DATA = Path(__file__).parent / "data" / "llmc"
+DATA = TEST_DATA / "llmc"
 FP32, BF16 = DATA / "tiny_fp32.bin", DATA / "tiny_bf16.bin"
 
 

@@ -14,7 +14,7 @@ import torch
 
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import llmc, save
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 HEADER = 256 * 4  # llm.c's header: 256 int32
 

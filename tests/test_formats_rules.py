@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.formats import detect_format, gguf as ours_gguf, hf, llmc, save
-from helpers import randomize, tiny_config
+from tests.helpers import randomize, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'gpt2attn[gguf]') reads GGUF")
 

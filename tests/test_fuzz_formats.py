@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import fuzzing
 from gpt2attn import CheckpointError, GPT2LMHeadModel
 from gpt2attn.formats import llmc
 from gpt2attn.tokenizer import load_tokenizer
-from helpers import tiny_config
+from tests import fuzzing
+from tests.helpers import DATA, REPO, tiny_config
 
 CASES_PER_FORMAT = 40
 
@@ -80,7 +80,7 @@ def safetensors_header(tmp_path, text: bytes):
 
 def tf_folder(tmp_path, hparams=None):
     folder = tmp_path / "tf"
-    shutil.copytree(Path(__file__).parent / "data" / "openai-tf-tiny", folder)
+    shutil.copytree(DATA / "openai-tf-tiny", folder)
     if hparams is not None:
         (folder / "hparams.json").write_bytes(hparams)
     return folder
@@ -295,7 +295,7 @@ def test_pickles_never_run_code_even_when_the_environment_asks(tmp_path, monkeyp
 
 # --- the limits at their bounds, as docs/hostile-files.md states them -----------------------------------------
 
-HOSTILE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "hostile-files.md"
+HOSTILE_PAGE = REPO / "docs" / "hostile-files.md"
 
 
 def documented_bounds() -> dict[str, int]:

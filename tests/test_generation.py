@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
-from helpers import hf_twin, randomize, tiny_config
+from tests.helpers import hf_twin, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ def test_cli_takes_a_hub_name_from_the_cache(tmp_path, monkeypatch, capsys, mode
 
     from gpt2attn.cli import main
     from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
-    from helpers import fake_hub_cache
+    from tests.helpers import fake_hub_cache
 
     model, _ = models
     tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 32 + 97)))

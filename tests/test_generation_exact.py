@@ -6,7 +6,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.generation import DEFAULT_MODEL_DIR
-from helpers import hf_twin, randomize, tiny_config
+from tests.helpers import hf_twin, randomize, tiny_config
 
 # A random model whose greedy rows are not one repeated token (std 0.5 spreads the logits).
 EOS = 25  # a token this model emits often, so eos handling is exercised

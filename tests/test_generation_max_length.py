@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel
-from helpers import hf_twin, randomize, tiny_config
+from tests.helpers import hf_twin, randomize, tiny_config
 
 MAX_LENGTH = 15
 

@@ -1,13 +1,14 @@
 """scripts/handmade_aab.py: the hand-written one-layer GPT-2 continues "aab" perfectly."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "handmade_aab.py"
+from tests.helpers import REPO
+
+SCRIPT = REPO / "scripts" / "handmade_aab.py"
 
 
 @pytest.fixture(scope="module")

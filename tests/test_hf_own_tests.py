@@ -21,7 +21,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
+
 HF_TESTS = Path(os.environ.get("GPT2ATTN_SHARED_DATA", ROOT.parent / "shared" / "data")).parent / "hf-tests"
 SURFACE_PAGE = ROOT / "docs" / "surface.md"
 ROW = re.compile(r"^\| `(test_\w+)` \| (both|gpt2attn|hfconfig) \| (.+) \|$")

@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
 
 CLIENTS_FIRST = "import peft, transformers.trainer\nfrom gpt2attn import GPT2Config, GPT2LMHeadModel\n"
 GPT2ATTN_FIRST = "from gpt2attn import GPT2Config, GPT2LMHeadModel\nimport peft, transformers.trainer\n"

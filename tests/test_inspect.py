@@ -8,7 +8,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel, causal_mask, inspect, scaled_dot_product_attention
 from gpt2attn.layers import no_tap
 from gpt2attn.tokenizer import char_tokenizer
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")

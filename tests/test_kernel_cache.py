@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, kernels
-from helpers import kernel_builds, needs_kernels, randomize, tiny_config
+from tests.helpers import kernel_builds, needs_kernels, randomize, tiny_config
 
-TESTS = Path(__file__).resolve().parent
 
 
 def tokens() -> list[list[int]]:
@@ -81,11 +80,10 @@ def check_fallback(expected_tokens, match: str):
 
 CHILD = """
 import json, sys, warnings
-sys.path.insert(0, {tests!r})
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from gpt2attn import kernels
-    from test_kernel_cache import tokens
+    from {module} import tokens
     lib = kernels.library()
     out = tokens()
 print(json.dumps({{"loaded": lib is not None, "warnings": [str(w.message) for w in caught
@@ -95,7 +93,7 @@ print(json.dumps({{"loaded": lib is not None, "warnings": [str(w.message) for w 
 
 def in_a_fresh_process(cache_root: Path) -> dict:
     env = {**os.environ, "GPT2ATTN_CACHE": str(cache_root), "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(TESTS))], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD.format(module=__name__)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -7,7 +7,6 @@ compare a kernel with its reference skip with that reason; the fallback tests ru
 The kernel cache and the environment switches: tests/test_kernel_cache.py."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel, kernels
 from gpt2attn.quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
 from gpt2attn.quantize import kernels as layer_kernels
-from helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
+from tests.helpers import REPO, hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
 G = torch.Generator().manual_seed(0)
 GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
@@ -243,7 +242,7 @@ def test_a_quantized_model_saves_and_reloads_tied_or_not(mode, tied, tmp_path):
 @pytest.mark.parametrize("streams", [1, 3, 8])
 def test_the_benchmarks_read_sum_sums(streams, monkeypatch):
     """scripts/read_rate.cpp (the benchmarks' read rate; not part of the package) sums what it reads."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from bench_common import read_sum
 
     x = torch.randn(100_003, generator=G)  # runs of 32 per stream and thread, and what they leave

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gpt2attn import GPT2Config, GPT2LMHeadModel, quantize
 from gpt2attn.formats import gguf, llmc, save
 from gpt2attn.layers import Conv1D
-from helpers import randomize, tiny_config
+from tests.helpers import REPO, randomize, tiny_config
 
 pytest.importorskip("gguf")
 
@@ -169,7 +169,7 @@ def test_writers_hold_one_converted_tensor_at_a_time(tmp_path, monkeypatch, name
 KILLED_WRITER = r"""
 import resource, signal, sys
 from pathlib import Path
-from test_memory import write_exact
+from {module} import write_exact
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python starts with it ignored
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
@@ -184,8 +184,8 @@ def test_a_writer_killed_mid_file_leaves_the_old_file(tmp_path, name):
     write_exact(tmp_path / "new" / name)
     new_size = (tmp_path / "new" / name).stat().st_size
     path.write_bytes(b"the old file")
-    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path), str(new_size // 2)],
-                          cwd=Path(__file__).parent, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER.format(module=__name__), str(path), str(new_size // 2)],
+                          cwd=REPO, capture_output=True, text=True)
     assert done.returncode == -signal.SIGXFSZ, done.stderr
     assert path.read_bytes() == b"the old file"
     (partial,) = [p for p in tmp_path.iterdir() if p.name not in (name, "new")]

@@ -10,7 +10,7 @@ import torch
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, KVCache
 from gpt2attn.layers import ACTIVATIONS
-from helpers import max_diff, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")

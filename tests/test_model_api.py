@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
-from helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
+from tests.helpers import fake_hub_cache, hf_twin, max_diff, randomize, tiny_config
 
 # --- config --------------------------------------------------------------------------------
 

@@ -12,8 +12,7 @@ import transformers
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cache import KVCache
 from gpt2attn.outputs import CausalLMOutput
-
-from helpers import hf_twin, randomize, tiny_config
+from tests.helpers import hf_twin, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config
 
 ATOL = 1e-5
 

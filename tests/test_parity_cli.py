@@ -15,9 +15,9 @@ import transformers
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main
 from gpt2attn.layers import MLP
-from helpers import randomize, shared_data, tiny_config
+from tests.helpers import DATA, randomize, shared_data, tiny_config
 
-TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
+TF_TINY = DATA / "openai-tf-tiny"
 
 
 def safetensors_dtypes(path: Path) -> set[str]:

@@ -13,7 +13,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel, kernels, q4_k
 from gpt2attn.formats import gguf
 from gpt2attn.quantize import Int8Linear, Q4Linear
-from helpers import max_diff, needs_kernels, num_threads, randomize, shared_data, tiny_config
+from tests.helpers import max_diff, needs_kernels, num_threads, randomize, shared_data, tiny_config
 
 GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
 VOCAB = 50257
@@ -300,7 +300,7 @@ def test_the_step_equals_the_modules_at_gpt2_small_shapes():
     """Two blocks of gpt2-small's shapes (the head 50257 x 768 int8, the blocks' Q4_K rows 768 and
     3072 long) made q4: the one-call step's logits and cache against the modules', 2 threads."""
     from gpt2attn import GPT2Config
-    from test_decode_step import both_ways
+    from tests.test_decode_step import both_ways
 
     cfg = GPT2Config.from_preset("gpt2")
     cfg.n_layer = 2

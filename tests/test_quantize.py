@@ -5,7 +5,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model, inspect
 from gpt2attn.quantize import Int8Linear, kernels
-from helpers import hf_twin, max_diff, randomize, shared_data, tiny_config
+from tests.helpers import hf_twin, max_diff, randomize, shared_data, tiny_config
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.helpers import REPO
+
+SCRIPTS = REPO / "scripts"
 
 
 def run_script(name: str, shared: Path, *args: str) -> subprocess.CompletedProcess:

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from helpers import hf_twin, max_diff, randomize, tiny_config  # noqa: E402
+from tests.helpers import REPO, hf_twin, max_diff, randomize, tiny_config  # noqa: E402
 
 import gpt2attn  # noqa: E402
 from gpt2attn import GPT2LMHeadModel  # noqa: E402
 
 CLASSES = ["GPT2LMHeadModel", "GPT2Model", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
            "GPT2ForQuestionAnswering", "GPT2DoubleHeadsModel", "GPT2Config"]
-SURFACE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "surface.md"
+SURFACE_PAGE = REPO / "docs" / "surface.md"
 ROW = re.compile(r"^\| `(?:(GPT2Config)\.)?(\w+)(?:\(([^)]*)\))?` \| (.+) \|$")
 P = inspect.Parameter
 

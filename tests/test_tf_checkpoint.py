@@ -15,8 +15,9 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
 from gpt2attn.tf_checkpoint import crc32c, gpt2_name, read_bundle
+from tests.helpers import DATA
 
-TF_TINY = Path(__file__).parent / "data" / "openai-tf-tiny"
+TF_TINY = DATA / "openai-tf-tiny"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from gpt2attn.tokenizer import char_tokenizer, encode, load_tokenizer
-from helpers import shared_data
+from tests.helpers import shared_data
 
 TEXTS = ["Hello world", " leading space", "multi  spaces\tand\nnewlines", "émoji 🙂 ünïcödé", "<|endoftext|>after"]
 

@@ -12,7 +12,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.tokenizer import char_tokenizer
 from gpt2attn.training import TokenData, load_config, lr_at, prepare_data, train
-from helpers import hf_twin, max_diff, randomize, tiny_config
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config
 
 
 def _batch(seed=0, B=3, T=16, vocab=97):
@@ -224,7 +224,7 @@ def test_prepare_data_char_split_and_blocks(tmp_path):
 
 
 def test_prepare_data_gpt2_bpe(tmp_path):
-    from helpers import shared_data
+    from tests.helpers import shared_data
 
     bpe = shared_data("gpt2-tokenizer")
     src = tmp_path / "t.txt"

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +21,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gpt2attn import GPT2LMHeadModel
 from gpt2attn.cli import main as cli_main
 from gpt2attn.training import latest_checkpoint, load_config, read_metrics, train
-from helpers import max_diff
+from tests.helpers import REPO, max_diff
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "gpt2attn" / "default_model"
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--eval_iters=2",
         "--log_interval=5", "--warmup_iters=5", "--learning_rate=3e-3", "--min_lr=3e-4", "--progress=false"]

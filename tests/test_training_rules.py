@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gpt2attn.training import latest_checkpoint, load_config, read_metrics, train
 from gpt2attn.training import loop
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--eval_iters=2",
         "--warmup_iters=3", "--learning_rate=3e-3", "--min_lr=3e-4", "--lr_decay_iters=8", "--progress=false",
         "--plot=false", "--device=cpu"]

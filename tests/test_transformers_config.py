@@ -12,7 +12,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from helpers import hf_twin, max_diff, randomize, tiny_config  # noqa: E402
+from tests.helpers import hf_twin, max_diff, randomize, tiny_config  # noqa: E402
 
 import gpt2attn  # noqa: E402
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
