@@ -300,7 +300,7 @@ def test_the_step_equals_the_modules_at_gpt2_small_shapes():
     """Two blocks of gpt2-small's shapes (the head 50257 x 768 int8, the blocks' Q4_K rows 768 and
     3072 long) made q4: the one-call step's logits and cache against the modules', 2 threads."""
     from gpt2attn import GPT2Config
-    from tests.test_decode_step import both_ways
+    from tests.kernels.test_decode_step import both_ways
 
     cfg = GPT2Config.from_preset("gpt2")
     cfg.n_layer = 2

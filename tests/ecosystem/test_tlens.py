@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_twin, max_diff, randomize, tiny_config
-from tests.test_ecosystem_transformers import char_hf_tokenizer
+from tests.ecosystem.test_bridge import char_hf_tokenizer
 
 from gpt2attn import GPT2LMHeadModel, inspect
 

@@ -311,3 +311,39 @@ def test_saved_files_get_the_usual_permissions(tmp_path):
     os.umask(umask)
     for file in tmp_path.iterdir():
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file.name  # not mkstemp's 0600
+
+
+# ==================================================================================================
+# The tie rule
+#
+# The tie rule for a checkpoint with no lm_head (loader.build_model), as transformers has it.
+# ==================================================================================================
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_checkpoint_without_lm_head_is_tied_to_wte_whatever_the_config_says(tmp_path, tie):
+    """loader.build_model: the head is tied when the config says so or the checkpoint has none."""
+    model = lm(tie_word_embeddings=tie)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
+    back = GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert back.lm_head.weight is back.transformer.wte.weight
+    assert torch.equal(back.lm_head.weight, model.transformer.wte.weight)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_checkpoint_with_its_own_lm_head_is_untied_only_when_the_config_says(tmp_path, tie):
+    model = lm(tie_word_embeddings=False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"] + 1.0  # differs from wte
+    save_file(state, tmp_path / "model.safetensors")
+    config = model.config.to_dict() | {"tie_word_embeddings": tie}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    back = GPT2LMHeadModel.from_pretrained(tmp_path)
+    if tie:  # transformers' rule: the config's tie wins, the stored head is dropped
+        assert back.lm_head.weight is back.transformer.wte.weight
+        assert torch.equal(back.lm_head.weight, state["transformer.wte.weight"])
+    else:
+        assert back.lm_head.weight is not back.transformer.wte.weight
+        assert torch.equal(back.lm_head.weight, state["lm_head.weight"])

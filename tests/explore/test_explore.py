@@ -1,20 +1,29 @@
-"""gpt2attn explore without a browser: the page's data against the model, labels, bad input.
-(tests/test_explore_browser.py opens the pages in Chromium.)"""
+"""gpt2attn explore without a browser (gpt2attn/explore): the page's data against the model, labels,
+bad input; then (sections below) what the page is given, checked in Python against the model, and
+the page's title, decoding steps, logit lens and pack()'s limits. (tests/explore/test_browser.py
+opens the pages in Chromium.)"""
 
+from __future__ import annotations
+
+import base64
+import html
 import json
+import math
 import re
 import subprocess
 import sys
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, inspect
 from gpt2attn.cli import main
-from gpt2attn.explore import page_data
+from gpt2attn.explore import SCALE, TEMPLATE, TOP_K, explore, pack, page_data
 from gpt2attn.tokenizer import encode, load_tokenizer, token_labels
 from tests.helpers import (EXPLORE_TEXT, ablation_effects, char_model_folder, hf_gpt2_folder, lower_triangle_rows,
-                     shared_data, unpack_weights)
+                           shared_data, unpack_weights)
 
 HALF_DIGIT = 0.0005 + 1e-6  # a weight printed to 3 digits is within this of the true one
 
@@ -299,3 +308,138 @@ def test_cli_text_b_must_not_merge_with_the_texts_last_token():
     assert encode(tok, "Helloworld")[:1] != encode(tok, "Hello")  # GPT-2's BPE joins these two
     with pytest.raises(ValueError, match="--text-b 'world': its first token merges"):
         sentence_pair(tok, "Hello", "world")
+
+
+# ==================================================================================================
+# What the page is given
+#
+# What the explorer page is given, checked in Python against the model: the thumbnails are each
+# head's attention max-pooled and scaled to 0..255; explore() embeds exactly page_data's values (plus
+# the model's name), escapes "</" so the data cannot close its <script>, and takes a transformers
+# fast tokenizer as it takes a tokenizers.Tokenizer. (The page's drawing is tests/test_explore_browser.py.)
+# ==================================================================================================
+
+
+def attentions(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    return torch.stack(out.attentions)[:, 0].double().numpy()  # (L, nh, T, T)
+
+
+def max_pool(w: np.ndarray, size: int) -> np.ndarray:
+    """Adaptive max pooling written out: cell i covers rows floor(i*T/S) .. ceil((i+1)*T/S) - 1."""
+    T = w.shape[-1]
+    edges = [(math.floor(i * T / size), math.ceil((i + 1) * T / size)) for i in range(size)]
+    return np.array([[w[..., a:b, c:d].max(axis=(-1, -2)) for c, d in edges] for a, b in edges]).transpose(2, 3, 0, 1)
+
+
+@pytest.mark.parametrize("text", [EXPLORE_TEXT, (EXPLORE_TEXT * 2)[:60]], ids=["T<48", "T=60>48"])
+def test_thumbnails_are_each_heads_attention_max_pooled_to_0_255(char_model, text):
+    model, tok = char_model
+    ids = encode(tok, text)
+    thumbs = page_data(model, tok, text)["thumbs"]
+    size = min(len(ids), 48)
+    assert thumbs["size"] == size
+    cells = np.frombuffer(zlib.decompress(base64.b64decode(thumbs["data"])), dtype=np.uint8)
+    L, nh = model.config.n_layer, model.config.n_head
+    cells = cells.reshape(L, nh, size, size).astype(np.int64)
+    expected = np.round(max_pool(attentions(model, ids), size) * 255)
+    assert np.abs(cells - expected).max() <= 1  # float32 vs float64 rounding at .5
+    assert cells.max() == 255  # the first query's weight on itself is 1
+    if size == len(ids):  # cell per weight: the masked upper triangle is 0
+        assert (cells[..., np.triu_indices(size, 1)[0], np.triu_indices(size, 1)[1]] == 0).all()
+
+
+def embedded_data(page_html: str) -> str:
+    """The JSON the page carries: the page is the template with its title named and /*DATA*/ filled."""
+    before, after = TEMPLATE.read_text(encoding="utf-8").split("/*DATA*/")
+    page_html = re.sub(r"<title>[^<]*</title>", "<title>gpt2attn explore</title>", page_html, count=1)
+    assert page_html.startswith(before) and page_html.endswith(after)
+    return page_html[len(before) : len(page_html) - len(after)]
+
+
+def test_explore_embeds_page_data_the_name_and_escapes_script_ends(char_model):
+    model, tok = char_model
+    name = "tiny </script><b>model"
+    page = explore(model, tok, EXPLORE_TEXT, position=5, generate=3, name=name)
+    blob = embedded_data(str(page))
+    assert "</" not in blob
+    data = json.loads(blob)
+    expected = json.loads(json.dumps(page_data(model, tok, EXPLORE_TEXT, position=5, generate=3)))
+    assert data.pop("model") == name
+    assert data == expected
+    assert len(data["steps"]["tokens"]) == 3  # generate=3 reaches page_data
+    assert json.loads(embedded_data(explore(model, tok, EXPLORE_TEXT).html))["model"] == ""
+
+
+def test_explore_takes_a_transformers_fast_tokenizer(char_model):
+    transformers = pytest.importorskip("transformers")
+    model, tok = char_model
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert str(explore(model, fast, EXPLORE_TEXT, generate=2)) == str(explore(model, tok, EXPLORE_TEXT, generate=2))
+
+
+def test_page_saves_shows_in_a_notebook_and_says_its_size(char_model, tmp_path):
+    model, tok = char_model
+    page = explore(model, tok, EXPLORE_TEXT)
+    page.save(tmp_path / "page.html")
+    assert (tmp_path / "page.html").read_text(encoding="utf-8") == page.html
+    frame = page._repr_html_()
+    assert frame.startswith('<iframe srcdoc="') and html.unescape(frame.split('"')[1]) == page.html
+    assert repr(page) == f"<gpt2attn explore page, {len(page.html) / 1e6:.1f} MB of HTML>"
+
+
+# ==================================================================================================
+# The page's title, the decoding steps, the logit lens, pack()'s limits
+#
+# Details of the explorer's Python side that a full mutation run (docs/mutation.md) found
+# untested: the page's title, explore()'s default of no decoding steps, the logit lens on prompts
+# shorter than its top-k, and pack()'s limits for signed values (each value decoded back here).
+# ==================================================================================================
+
+
+def title(page) -> str:
+    return re.search(r"<title>([^<]*)</title>", page.html).group(1)
+
+
+def test_the_title_names_the_model_only_when_given(char_model):
+    model, tok = char_model
+    assert title(explore(model, tok, EXPLORE_TEXT)) == "gpt2attn explore"
+    assert title(explore(model, tok, EXPLORE_TEXT, name="tiny <b>")) == "gpt2attn explore · tiny &lt;b&gt;"
+
+
+def test_explore_decodes_nothing_unless_asked(char_model):
+    model, tok = char_model
+    assert json.loads(embedded_data(explore(model, tok, EXPLORE_TEXT).html))["steps"] is None
+
+
+def test_the_logit_lens_keeps_top_k_even_for_a_prompt_shorter_than_k(char_model):
+    model, tok = char_model
+    text = "To"  # 2 positions < TOP_K = 5 < the vocabulary
+    T = len(encode(tok, text))
+    assert T < TOP_K
+    lens = page_data(model, tok, text)["lens"]
+    L = model.config.n_layer
+    assert lens["k"] == TOP_K and len(lens["ids"]) == (L + 1) * T * TOP_K
+    with torch.no_grad():
+        final = model(torch.tensor([encode(tok, text)])).logits[0].softmax(-1)  # (T, V)
+    expected = final.topk(TOP_K).indices.flatten().tolist()  # the last row: the model's own top 5
+    assert lens["ids"][-T * TOP_K :] == expected
+
+
+def unpack_signed_ints(blob: str, n: int) -> np.ndarray:
+    """pack(signed=True) undone: base64, zlib, byte planes (low bytes first), zigzag."""
+    planes = np.frombuffer(zlib.decompress(base64.b64decode(blob)), dtype=np.uint8).reshape(4, n)
+    z = planes.T.copy().view("<u4").ravel().astype(np.int64)
+    return (z >> 1) ^ -(z & 1)
+
+
+def test_pack_signed_values_up_to_its_limit_and_refuses_beyond():
+    largest = (2**31 - 1) / SCALE
+    values = torch.tensor([0.0, -0.001, 0.001, largest, -largest, 12.345], dtype=torch.float64)
+    got = unpack_signed_ints(pack(values, signed=True), len(values))
+    assert got.tolist() == [round(v * SCALE) for v in values.tolist()]
+    for too_large in (2**31 / SCALE, -(2**31) / SCALE, 1.5 * 2**31 / SCALE, 2**32 / SCALE):
+        with pytest.raises(ValueError, match="too large to store at 1/1000"):
+            pack(torch.tensor([1.0, too_large], dtype=torch.float64), signed=True)
+    assert unpack_signed_ints(pack(torch.zeros(0), signed=True), 0).size == 0  # nothing to pack is no error

@@ -1,30 +1,38 @@
-"""GGUF details a user sees, found by mutation testing (scripts/mutation.py): how the reader parses
-each part of a file (value types, arrays, bounds, alignment, tensor table) and names what is wrong,
-which metadata it takes for the config and tokenizer, and what the writer puts in a file.
+"""GGUF (llama.cpp), gpt2attn/formats/gguf.py.
 
-Files here are built byte by byte by `gguf_bytes` below, from the GGUF layout as llama.cpp's
-ggml/docs/gguf.md and gguf-py describe it (little-endian; header: magic, version u32, tensor count
-u64, metadata count u64; each metadata entry: key string, value type u32, value; each tensor entry:
-name string, n_dims u32, ne[n_dims] u64 innermost first, GGML type u32, data offset u64; tensor data
-from the first multiple of general.alignment (default 32) after the table), or written by gguf-py's
-own GGUFWriter, and what the writer wrote is read back by gguf-py's GGUFReader: never by our reader
-alone."""
+The details a user sees: how the reader parses each part of a file (value types, arrays, bounds,
+alignment, tensor table) and names what is wrong, which metadata it takes for the config and
+tokenizer, and what the writer puts in a file. Files here are built byte by byte by `gguf_bytes`
+below, from the GGUF layout as llama.cpp's ggml/docs/gguf.md and gguf-py describe it
+(little-endian; header: magic, version u32, tensor count u64, metadata count u64; each metadata
+entry: key string, value type u32, value; each tensor entry: name string, n_dims u32, ne[n_dims]
+u64 innermost first, GGML type u32, data offset u64; tensor data from the first multiple of
+general.alignment (default 32) after the table), or written by gguf-py's own GGUFWriter, and what
+the writer wrote is read back by gguf-py's GGUFReader: never by our reader alone.
+
+Then (sections below) files made by llama.cpp's own converter, files of every GGML type we read,
+transformers' own GGUF loader, and the rules a written file keeps (bounds, versions, metadata,
+tensor types as llama.cpp's converter and gguf-py write them)."""
 
 from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from gpt2attn import GPT2LMHeadModel
-from gpt2attn.formats import gguf as ours, save
-from tests.helpers import randomize, tiny_config
+from gpt2attn import GPT2Config, GPT2LMHeadModel
+from gpt2attn.cli import main as cli
+from gpt2attn.formats import detect_format, gguf as ours, save
+from tests.helpers import DATA as TEST_DATA, randomize, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'gpt2attn[gguf]') reads GGUF")
+transformers = pytest.importorskip("transformers")
 
 # GGUF metadata value types (gguf.md: GGUFValueType) and their struct formats
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
@@ -964,3 +972,442 @@ def test_merges_serialized_as_strings_are_written_as_they_are(tmp_path):
     assert json.loads(OldSerialization().to_str())["model"]["merges"] == ["a b", "Ġ ab"]
     save(model_of(vocab_size=7), tmp_path / "m.gguf", dtype="f32", tokenizer=OldSerialization())
     assert their_fields(tmp_path / "m.gguf")["tokenizer.ggml.merges"] == ["a b", "Ġ ab"]
+
+
+# ==================================================================================================
+# Files from llama.cpp's converter and gguf-py's writer
+#
+# Files made by llama.cpp's own converter (tests/data/gguf/README.md), files of
+# every GGML type we read written with the gguf package's writer, and our writer checked against the
+# converter's keys and names and against transformers' own GGUF loader.
+# ==================================================================================================
+
+DATA = TEST_DATA / "gguf"
+FIXTURES = {"f16": DATA / "tiny-f16.gguf", "q8_0": DATA / "tiny-q8_0.gguf"}
+Q = gguf.GGMLQuantizationType
+
+
+def transformers_gguf(path: Path, config: GPT2Config):
+    """transformers' own load of a GGUF (it dequantizes with gguf), given the config: it would set
+    n_positions to 1024 whatever the file's gpt2.context_length says."""
+    hf_config = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
+                                        n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                                        tie_word_embeddings=config.tie_word_embeddings)
+    return transformers.GPT2LMHeadModel.from_pretrained(str(path.parent), gguf_file=path.name, config=hf_config).eval()
+
+
+def ids_for(config: GPT2Config, T: int = 12) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def assert_logits_equal_transformers(path: Path, atol: float = 1e-5) -> GPT2LMHeadModel:
+    model = GPT2LMHeadModel.from_pretrained(path)
+    x = ids_for(model.config)
+    theirs = transformers_gguf(path, model.config)(x).logits
+    assert (model(x).logits - theirs).abs().max() <= atol
+    return model
+
+
+@pytest.mark.parametrize("kind", list(FIXTURES))
+def test_llama_cpp_converter_files_give_transformers_logits(kind):
+    model = assert_logits_equal_transformers(FIXTURES[kind])
+    assert model.config.n_positions == 128  # gpt2.context_length, not transformers' 1024
+    assert model.lm_head.weight is model.transformer.wte.weight  # the converter's output.weight is wte again
+    assert detect_format(FIXTURES[kind]) is ours
+
+
+def test_embedded_tokenizer_is_gpt2s(tmp_path):
+    tokenizer = ours.tokenizer_of(FIXTURES["f16"])
+    theirs = transformers.AutoTokenizer.from_pretrained(str(DATA), gguf_file=FIXTURES["f16"].name)
+    for text in ("Hello world", " café\n\n  naïve—tokens 12345 <|endoftext|>", "ROMEO:\nBut soft!"):
+        assert tokenizer.encode(text).ids == theirs(text)["input_ids"], text
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+# --- every GGML type we read, in files written by the gguf package itself ---------------------------
+
+K_BLOCK_SCALES = {  # byte offsets of each K-quant block's f16 scales (d, dmin), as ggml lays them out
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
+
+
+def quantized(array: np.ndarray, kind) -> np.ndarray:
+    """array in GGML type `kind`: gguf's own quantizer where it has one; for the K-quants (which
+    gguf-py only dequantizes) random blocks with sane f16 scales, so the file holds real K-quant data."""
+    if kind not in K_BLOCK_SCALES:
+        return gguf.quants.quantize(array, kind)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = array.shape
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_BLOCK_SCALES[kind]:
+        raw[:, :, offset : offset + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_with_gguf_package(path: Path, model: GPT2LMHeadModel, kind, output: str = "tied") -> None:
+    """A GPT-2 GGUF written tensor by tensor with gguf.GGUFWriter, in llama.cpp's names and layouts:
+    2-D weights in `kind`, the rest F32; output.weight as wte ('tied'), absent, or the model's head."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(cfg.n_layer)
+    writer.add_context_length(cfg.n_positions)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_feed_forward_length(4 * cfg.n_embd)
+    writer.add_head_count(cfg.n_head)
+    writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    names = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}
+    blocks = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    tensors = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if key == "lm_head.weight":
+            continue
+        if parts[1] == "h":
+            module = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{blocks[module]}.{parts[-1]}"
+            if parts[-1] == "weight" and value.ndim == 2:
+                value = value.T  # Conv1D (in, out) -> llama.cpp's (out, in)
+        else:
+            name = f"{names[parts[1]]}.{parts[2]}"
+        tensors[name] = np.ascontiguousarray(value)
+    if output == "tied":
+        tensors["output.weight"] = tensors["token_embd.weight"]
+    elif output == "own":
+        tensors["output.weight"] = np.ascontiguousarray(state["lm_head.weight"])
+    for name, value in tensors.items():
+        if value.ndim == 2 and name != "position_embd.weight":
+            writer.add_tensor(name, quantized(value, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, value.astype(np.float32), raw_dtype=Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+READ_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    """n_embd 256: every row a whole number of K-quant blocks (256 values)."""
+    return randomize(GPT2LMHeadModel(tiny_config(vocab_size=64, n_embd=256, n_head=4, n_layer=1)), std=0.05).eval()
+
+
+@pytest.mark.parametrize("kind", READ_TYPES, ids=lambda k: k.name)
+def test_every_type_gives_transformers_logits(tmp_path, wide_model, kind):
+    path = tmp_path / f"{kind.name}.gguf"
+    write_with_gguf_package(path, wide_model, kind)
+    model = assert_logits_equal_transformers(path)
+    reader = gguf.GGUFReader(path)
+    qkv = next(t for t in reader.tensors if t.name == "blk.0.attn_qkv.weight")
+    assert qkv.tensor_type == kind
+    expected = gguf.quants.dequantize(qkv.data, kind).reshape(768, 256).T  # back to Conv1D's (in, out)
+    assert np.array_equal(model.transformer.h[0].attn.c_attn.weight.detach().numpy(), expected)
+
+
+@pytest.mark.parametrize("output", ["absent", "own"])
+def test_head_tied_without_output_weight_untied_when_it_differs(tmp_path, output):
+    model = randomize(GPT2LMHeadModel(tiny_config(tie_word_embeddings=False)))
+    path = tmp_path / "m.gguf"
+    write_with_gguf_package(path, model, Q.F32, output=output)
+    back = GPT2LMHeadModel.from_pretrained(path)
+    if output == "absent":
+        assert back.config.tie_word_embeddings and back.lm_head.weight is back.transformer.wte.weight
+    else:
+        assert not back.config.tie_word_embeddings
+        assert torch.equal(back.lm_head.weight, model.lm_head.weight)
+        assert not torch.equal(back.lm_head.weight, back.transformer.wte.weight)
+        assert_logits_equal_transformers(path)
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_model():
+    """A random model with GPT-2's own tokenizer, as the converter needs it (vocab 50257)."""
+    tokenizer = ours.tokenizer_of(FIXTURES["f16"])
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=50257, n_embd=32, n_head=2, n_positions=64)), std=0.1)
+    return model.eval(), tokenizer
+
+
+def test_written_file_has_the_converters_keys_names_and_tokenizer(tmp_path, bpe_model):
+    model, tokenizer = bpe_model
+    save(model, tmp_path / "m.gguf", dtype="q8_0", tokenizer=tokenizer)
+    mine, theirs = gguf.GGUFReader(tmp_path / "m.gguf"), gguf.GGUFReader(FIXTURES["q8_0"])
+    skip = {"general.name", "general.size_label"}  # the converter's naming of its source folder
+    assert set(mine.fields) - skip == set(theirs.fields) - skip
+    for key in set(theirs.fields) - skip:
+        if key.startswith(("tokenizer.", "general.file_type", "general.architecture", "general.type")):
+            assert mine.fields[key].contents() == theirs.fields[key].contents(), key
+    assert sorted((t.name, t.tensor_type) for t in mine.tensors) == sorted((t.name, t.tensor_type) for t in theirs.tensors)
+    assert ours.tokenizer_of(tmp_path / "m.gguf").encode(" Hello").ids == tokenizer.encode(" Hello").ids
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
+def test_round_trip_exact_for_f32_within_the_types_rounding_otherwise(tmp_path, bpe_model, dtype):
+    model, tokenizer = bpe_model
+    path = tmp_path / f"m-{dtype}.gguf"
+    save(model, path, dtype=dtype)
+    back = GPT2LMHeadModel.from_pretrained(path)
+    kind = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+    for name, tensor in model.state_dict().items():
+        got = back.state_dict()[name]
+        if dtype == "f32" or tensor.dim() == 1 or name.endswith("wpe.weight"):  # kept F32, as the converter does
+            assert torch.equal(got, tensor), name
+        else:
+            array = tensor.detach().numpy()
+            array = array if name.endswith(("wte.weight", "lm_head.weight")) else array.T
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(array), kind), kind)
+            rounded = rounded if name.endswith(("wte.weight", "lm_head.weight")) else rounded.T
+            assert np.array_equal(got.numpy(), rounded), name
+    assert_logits_equal_transformers(path)
+
+
+def test_cli_generate_convert_and_parity_take_gguf(tmp_path, capsys):
+    fixture = FIXTURES["f16"]
+    assert cli(["generate", "--model", str(fixture), "Hello", "--max-new-tokens", "4", "--greedy"]) == 0
+    said = capsys.readouterr().out
+    model, tokenizer = GPT2LMHeadModel.from_pretrained(fixture), ours.tokenizer_of(fixture)
+    prompt = torch.tensor([tokenizer.encode("Hello").ids])
+    expected = tokenizer.decode(model.generate(prompt, max_new_tokens=4, do_sample=False)[0].tolist())
+    assert said.strip() == expected.strip()
+
+    assert cli(["convert", str(fixture), str(tmp_path / "q.gguf"), "--dtype", "q8_0"]) == 0
+    assert all(t.tensor_type in (Q.Q8_0, Q.F32) for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors)
+    assert cli(["convert", str(fixture), str(tmp_path / "folder")]) == 0
+    assert (tmp_path / "folder" / "tokenizer.json").is_file()  # the GGUF's tokenizer, written out
+    capsys.readouterr()
+    assert cli(["parity", str(fixture), str(tmp_path / "q.gguf")]) == 1  # q8_0 departs beyond fp32's tolerance
+    assert "layer 1" in capsys.readouterr().out
+
+
+def test_the_shipped_character_model_goes_to_gguf_with_its_tokenizer(tmp_path, capsys):
+    """The README's tour: `convert` the character model to a .gguf, then `generate --model` it."""
+    from gpt2attn.generation import DEFAULT_MODEL_DIR
+
+    assert cli(["convert", str(DEFAULT_MODEL_DIR), str(tmp_path / "m.gguf"), "--dtype", "f32"]) == 0
+    assert capsys.readouterr().err == ""  # no "written without the tokenizer" note
+    said = []
+    for model in (DEFAULT_MODEL_DIR, tmp_path / "m.gguf"):
+        assert cli(["generate", "--model", str(model), "ROMEO:", "--max-new-tokens", "30", "--greedy"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[1] == said[0] and len(said[0]) > len("ROMEO:\n")
+
+
+def test_import_gpt2attn_does_not_import_gguf():
+    code = "import sys, gpt2attn, gpt2attn.formats; print('gguf' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+def damaged(tmp_path: Path, name: str) -> Path:
+    data = bytearray(FIXTURES["q8_0"].read_bytes())
+    path = tmp_path / f"{name}.gguf"
+    if name == "truncated":
+        data = data[: len(data) // 2]
+    elif name == "header only":
+        data = data[:20]
+    elif name == "magic":
+        data[:4] = b"GGML"
+    elif name == "version":
+        data[4:8] = (7).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("name, field", [("truncated", "truncated"), ("header only", "truncated"),
+                                         ("version", "version 7")])
+def test_damaged_files_get_one_error_naming_the_file_and_field(tmp_path, name, field):
+    path = damaged(tmp_path, name)
+    with pytest.raises(ValueError, match=field) as error:
+        GPT2LMHeadModel.from_pretrained(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_wrong_magic_is_not_read_as_gguf(tmp_path):
+    path = damaged(tmp_path, "magic")
+    assert not ours.detect(path)
+    with pytest.raises(ValueError, match="magic") as error:
+        ours.read(path)
+    assert str(path) in str(error.value)
+
+
+def test_another_architecture_and_an_unread_type_are_named(tmp_path):
+    def write(path: Path, arch: str, raw_dtype, data: np.ndarray) -> Path:
+        writer = gguf.GGUFWriter(path, arch)
+        for key, value in [("block_count", 1), ("context_length", 32), ("embedding_length", 256),
+                           ("attention.head_count", 4)]:
+            writer.add_uint32(f"{arch}.{key}", value)
+        writer.add_tensor("token_embd.weight", data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    llama = write(tmp_path / "llama.gguf", "llama", Q.F32, np.zeros((64, 256), dtype=np.float32))
+    with pytest.raises(ValueError, match="general.architecture is 'llama'") as error:
+        GPT2LMHeadModel.from_pretrained(llama)
+    assert str(llama) in str(error.value)
+    q2_k = write(tmp_path / "q2k.gguf", "gpt2", Q.Q2_K, np.zeros((64, gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8))
+    with pytest.raises(ValueError, match="token_embd.weight has GGML type Q2_K") as error:
+        GPT2LMHeadModel.from_pretrained(q2_k)
+    assert str(q2_k) in str(error.value)
+
+
+def test_failures_write_nothing(tmp_path, bpe_model):
+    model, tokenizer = bpe_model
+    target = tmp_path / "m.gguf"
+    with pytest.raises(ValueError, match="q4_0"):
+        save(model, target, dtype="q4_0")
+    assert not target.exists()
+    save(model, target, dtype="f16", tokenizer=tokenizer)
+    before = target.read_bytes()
+    bad = GPT2LMHeadModel(tiny_config(activation_function="relu"))
+    with pytest.raises(ValueError, match="GELU"):
+        save(bad, target)
+    assert target.read_bytes() == before
+    assert cli(["convert", str(damaged(tmp_path, "truncated")), str(tmp_path / "out")]) == 2  # a one-line error
+    assert not (tmp_path / "out").exists()
+
+
+# ==================================================================================================
+# The rules a written file keeps
+#
+# The rules a user sees, each pinned by what a written file holds or what a loaded model is: GGUF's
+# bounds, versions, metadata and tensor types as llama.cpp's converter and gguf-py write them. The
+# expected values come from gguf-py's own reader and constants and the model written, never from our
+# reader.
+# ==================================================================================================
+
+
+def their_reader(path: Path):
+    """gguf-py's own reader: the independent view of what our writer put in the file."""
+    return gguf.GGUFReader(str(path))
+
+
+def their_field(reader, key: str):
+    return reader.fields[key].contents()
+
+
+def test_gguf_cut_inside_its_last_tensor_is_refused_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "m.gguf"
+    save(model_of(), path, dtype="f32")
+    reader = their_reader(path)
+    last = max(reader.tensors, key=lambda t: t.data_offset)
+    end = last.data_offset + last.n_bytes  # where the last tensor's data ends
+    data = path.read_bytes()
+    assert end <= len(data)
+
+    exact = tmp_path / "exact.gguf"  # only alignment padding dropped: still whole
+    exact.write_bytes(data[:end])
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(exact), GPT2LMHeadModel.from_pretrained(path))
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: end - 1])
+    with pytest.raises(ValueError) as error:
+        GPT2LMHeadModel.from_pretrained(cut)
+    assert "cut.gguf" in str(error.value) and last.name in str(error.value)
+
+
+@pytest.mark.parametrize("version, readable", [(1, False), (2, True), (3, True), (4, False)])
+def test_gguf_versions_2_and_3_load_the_same_model(tmp_path, version, readable):
+    """Version 2 has version 3's layout (gguf-py reads both: READER_SUPPORTED_VERSIONS)."""
+    path = tmp_path / "m.gguf"
+    save(model_of(), path, dtype="f32")
+    data = bytearray(path.read_bytes())
+    assert int.from_bytes(data[4:8], "little") == gguf.GGUF_VERSION == 3
+    data[4:8] = version.to_bytes(4, "little")
+    other = tmp_path / f"v{version}.gguf"
+    other.write_bytes(bytes(data))
+    if readable:
+        assert_same_weights(GPT2LMHeadModel.from_pretrained(other), GPT2LMHeadModel.from_pretrained(path))
+    else:
+        with pytest.raises(ValueError, match=f"v{version}.gguf.*version"):
+            GPT2LMHeadModel.from_pretrained(other)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 3e-7])
+def test_gguf_layer_norm_epsilon_round_trips(tmp_path, eps):
+    path = tmp_path / "m.gguf"
+    save(model_of(layer_norm_epsilon=eps), path, dtype="f32")
+    stored = their_field(their_reader(path), "gpt2.attention.layer_norm_epsilon")
+    assert stored == pytest.approx(eps, rel=1e-7)  # float32 in the file
+    assert GPT2LMHeadModel.from_pretrained(path).config.layer_norm_epsilon == eps
+
+
+@pytest.mark.parametrize("dtype, file_type", [("f32", "ALL_F32"), ("f16", "MOSTLY_F16"), ("bf16", "MOSTLY_BF16"),
+                                              ("q8_0", "MOSTLY_Q8_0")])
+def test_gguf_general_file_type_is_llama_cpps_file_type(tmp_path, dtype, file_type):
+    """general.file_type is llama.cpp's LlamaFileType (MOSTLY_BF16 = 32), not GGML's tensor type id."""
+    path = tmp_path / "m.gguf"
+    save(model_of(), path, dtype=dtype)
+    assert their_field(their_reader(path), "general.file_type") == gguf.LlamaFileType[file_type].value
+
+
+def test_gguf_q8_0_rows_not_a_multiple_of_32_fall_back_to_f16(tmp_path):
+    """As llama.cpp's converter writes a q8_0 file: 1-D tensors, norms, biases and position
+    embeddings F32; a 2-D weight Q8_0 when its rows (ne[0]) are a multiple of Q8_0's block of 32,
+    else F16. n_inner = 48 gives ffn_down rows of 48."""
+    path = tmp_path / "m.gguf"
+    model = model_of(n_inner=48)
+    save(model, path, dtype="q8_0")
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    seen = {}
+    for t in their_reader(path).tensors:
+        if len(t.shape) == 1 or not t.name.endswith(".weight") or t.name.endswith("_norm.weight") \
+                or t.name == "position_embd.weight":
+            expected = "F32"
+        else:
+            expected = "Q8_0" if int(t.shape[0]) % block == 0 else "F16"
+        assert t.tensor_type.name == expected, t.name
+        seen[t.tensor_type.name] = seen.get(t.tensor_type.name, 0) + 1
+    assert seen.keys() == {"F32", "F16", "Q8_0"}
+    back = GPT2LMHeadModel.from_pretrained(path)
+    f16 = model.transformer.h[0].mlp.c_proj.weight.detach()
+    assert torch.equal(back.transformer.h[0].mlp.c_proj.weight, f16.half().float())
+
+
+@pytest.mark.parametrize("n_inner", [None, 96, 48])
+def test_gguf_feed_forward_length_is_n_inner_and_round_trips(tmp_path, n_inner):
+    path = tmp_path / "m.gguf"
+    model = model_of(n_inner=n_inner)
+    save(model, path, dtype="f32")
+    expected = n_inner or 4 * model.config.n_embd
+    assert their_field(their_reader(path), "gpt2.feed_forward_length") == expected
+    back = GPT2LMHeadModel.from_pretrained(path)
+    assert back.config.inner_dim == expected and back.config.n_inner == n_inner
+    assert_same_weights(back, model)
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.allclose(back(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gguf_metadata_is_the_models_config(tmp_path):
+    """Every gpt2.* key gguf-py reads back is the written model's config field."""
+    path = tmp_path / "m.gguf"
+    model = model_of(n_positions=24, n_layer=3, n_head=8, n_embd=64)
+    save(model, path, dtype="f16")
+    reader, c = their_reader(path), model.config
+    assert their_field(reader, "general.architecture") == "gpt2"
+    assert their_field(reader, "gpt2.context_length") == c.n_positions
+    assert their_field(reader, "gpt2.embedding_length") == c.n_embd
+    assert their_field(reader, "gpt2.block_count") == c.n_layer
+    assert their_field(reader, "gpt2.attention.head_count") == c.n_head
+    assert their_field(reader, "general.name") == "m"
+    back = GPT2LMHeadModel.from_pretrained(path).config
+    for field in ("n_positions", "n_embd", "n_layer", "n_head", "vocab_size"):
+        assert getattr(back, field) == getattr(c, field), field
+
+
+def test_gguf_module_reads_its_own_suffix(tmp_path):
+    path = tmp_path / "m.gguf"
+    save(model_of(), path)
+    assert ours.detect(path) and detect_format(path) is ours

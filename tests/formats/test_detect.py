@@ -2,8 +2,9 @@
 which module reads a file or folder, the errors for paths no format reads (each naming the path and
 what was expected), which module writes a destination by its suffix, the file named in errors about
 the tensors, and save() passing its dtype and tokenizer through. OpenAI's TF folder is told from an
-HF folder by its files. Expected values come from the formats' documented suffixes and the files
-written here, not from the detection code."""
+HF folder by its files; a pickled pytorch_model.bin from llm.c, an llm.c file by its magic. Expected
+values come from the formats' documented suffixes and the files written here, not from the detection
+code."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from gpt2attn import CheckpointError, GPT2LMHeadModel
-from gpt2attn.formats import detect_format, format_for_suffix, gguf, hf, llmc, nanogpt, openai_tf, save, weights_file
+from gpt2attn.formats import (detect_format, format_for_suffix, gguf, hf, llmc, nanogpt, openai_tf,
+                              save, weights_file)
 from gpt2attn.tokenizer import char_tokenizer, load_tokenizer
 from tests.helpers import DATA, randomize, tiny_config
 
@@ -188,3 +190,40 @@ def test_openai_tf_is_a_folder_with_its_index_and_no_config_json(tmp_path):
     (folder / "config.json").unlink()
     (folder / "model.ckpt.index").rename(folder / "other.index")
     assert not openai_tf.detect(folder)
+
+
+# ==================================================================================================
+# Pickles and llm.c files told apart
+#
+# Telling a pickled pytorch_model.bin from llm.c, and an llm.c file by its magic whatever its suffix.
+# ==================================================================================================
+
+
+def assert_same_weights(a: GPT2LMHeadModel, b: GPT2LMHeadModel) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_a_legacy_pickled_pytorch_model_bin_is_not_llmc(tmp_path):
+    """torch.save's pre-zip format (a pickle stream) in a pytorch_model.bin is read as HF's."""
+    model = model_of()
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    path = folder / "pytorch_model.bin"
+    torch.save(model.state_dict(), path, _use_new_zipfile_serialization=False)
+    assert not path.read_bytes().startswith(b"PK")
+    assert not llmc.detect(path)
+    assert detect_format(path) is hf
+    model.config.save_pretrained(folder)
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(path), model)
+    assert detect_format(folder) is hf
+    assert_same_weights(GPT2LMHeadModel.from_pretrained(folder), model)
+
+
+def test_an_llmc_file_with_another_suffix_is_still_llmc_by_its_magic(tmp_path):
+    path = tmp_path / "weights.data"
+    save(model_of(), tmp_path / "m.bin", dtype="fp32")
+    path.write_bytes((tmp_path / "m.bin").read_bytes())
+    assert llmc.detect(path) and detect_format(path) is llmc
