@@ -5,7 +5,7 @@
 
 Every figure on the page comes from docs/benchmarks/results/<bench>.json (the latest run of each
 bench on each CPU family it has met) and is printed under its CPU family, beside that run's date,
-machine, commit and command; nothing on the page is typed in by hand except what each bench measures. tests/test_docs.py fails when the page and the result
+machine, commit and command; nothing on the page is typed in by hand except what each bench measures. tests/project/test_docs.py fails when the page and the result
 files disagree.
 """
 

@@ -23,7 +23,7 @@ taking the machine. The outcome of a case is one of
     memory    peak RSS over the limit, or a MemoryError: a failure
     crash     the worker died (a segfault, an abort): a failure
 
-tests/test_fuzz_formats.py runs a few hundred cases; `python -m scripts.fuzz_formats` runs thousands.
+tests/formats/test_fuzz.py runs a few hundred cases; `python -m scripts.fuzz_formats` runs thousands.
 Run `python -m tests.fuzzing FORMAT SEED INDEX` from the checkout's root to replay one case in this
 process and see its traceback.
 """

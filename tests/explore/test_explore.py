@@ -316,7 +316,7 @@ def test_cli_text_b_must_not_merge_with_the_texts_last_token():
 # What the explorer page is given, checked in Python against the model: the thumbnails are each
 # head's attention max-pooled and scaled to 0..255; explore() embeds exactly page_data's values (plus
 # the model's name), escapes "</" so the data cannot close its <script>, and takes a transformers
-# fast tokenizer as it takes a tokenizers.Tokenizer. (The page's drawing is tests/test_explore_browser.py.)
+# fast tokenizer as it takes a tokenizers.Tokenizer. (The page's drawing is tests/explore/test_browser.py.)
 # ==================================================================================================
 
 

@@ -4,7 +4,7 @@ kernels cannot run; quantize()'s fp32 / fp16 / bf16 / int8 layers end to end.
 
 Where the kernels cannot run on the test machine (no AVX2/FMA/F16C, no compiler), the tests that
 compare a kernel with its reference skip with that reason; the fallback tests run everywhere.
-The kernel cache and the environment switches: tests/test_kernel_cache.py."""
+The kernel cache and the environment switches: tests/kernels/test_cache.py."""
 
 import copy
 

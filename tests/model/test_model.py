@@ -18,7 +18,7 @@ def model():
     return randomize(GPT2LMHeadModel(tiny_config()), seed=0).eval()
 
 
-# Bad inputs and configs: tests/test_bad_inputs_model.py.
+# Bad inputs and configs: tests/model/test_bad_inputs.py.
 
 
 # --- masks and numerics ----------------------------------------------------------------
