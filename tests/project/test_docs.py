@@ -228,6 +228,17 @@ def test_readme_setup_lines_keep_the_form_ci_reads():
     assert len(text.splitlines()) <= 200, "the README is for a two-minute read: move detail into docs/"
 
 
+TESTS_PATH = re.compile(r"(?<![\w./-])tests/[\w/.-]*\w")  # tests/formats/test_gguf.py, tests/data/llmc, ...
+THEIR_TESTS = {"tests/models/gpt2/test_modeling_gpt2.py"}  # transformers' own test file (docs/surface.md)
+
+
+def test_every_test_path_a_page_names_exists():
+    """A test file or folder the README or a docs page names is there: moving tests updates the pages."""
+    named = {m.group(0) for page in PAGES for m in TESTS_PATH.finditer(page.read_text(encoding="utf-8"))}
+    assert "tests/project/test_docs.py" in named  # the pattern finds paths at all
+    assert sorted(path for path in named - THEIR_TESTS if not (ROOT / path).exists()) == []
+
+
 # --- the benchmarks page and the site ------------------------------------------------------------------
 
 
