@@ -49,7 +49,7 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = True
-    _can_compile_fullgraph = True  # the forward traces as one graph (tests/test_export.py)
+    _can_compile_fullgraph = True  # the forward traces as one graph (tests/ecosystem/test_export.py)
     _is_stateful = False  # the cache can be cropped, so assisted decoding may roll back
     _no_split_modules = ["Block"]  # what device_map="auto" keeps on one device
     _keep_in_fp32_modules: set[str] = set()  # no module must stay in fp32 when the rest is fp16

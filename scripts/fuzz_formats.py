@@ -1,12 +1,13 @@
 """Fuzz every file format gpt2attn reads, for a release: thousands of mutated files per format,
 each loaded in a worker process under a CPU-time, wall-time and memory limit (tests/fuzzing.py).
+Run it from the checkout's root, as a module (it imports the fuzzer as `tests.fuzzing`):
 
-    python scripts/fuzz_formats.py                      # 1000 cases per format, seed 0
-    python scripts/fuzz_formats.py --cases 3000 --seed 7 --formats gguf llmc --jobs 2
+    python -m scripts.fuzz_formats                      # 1000 cases per format, seed 0
+    python -m scripts.fuzz_formats --cases 3000 --seed 7 --formats gguf llmc --jobs 2
 
 Prints the count of each outcome per format (loaded / ours / other / slow / memory / crash), then
 a reproducer for every failing case; exits 1 if any case failed. A case is replayed with
-`python tests/fuzzing.py FORMAT SEED INDEX`.
+`python -m tests.fuzzing FORMAT SEED INDEX`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import fuzzing  # noqa: E402
+from tests import fuzzing
 
 
 def main() -> int:

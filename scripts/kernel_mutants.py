@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_kernels.py", "tests/test_decode_step.py"]
+TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_decode_step.py"]
 
 # (file under gpt2attn/kernels/, the exact original text, its replacement, what the bug is)
 MUTANTS = [

@@ -40,54 +40,49 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # Which test files exercise which part of the package (the longest matching prefix wins; a module
-# with no entry gets the test files that import it by name).
+# with no entry gets the test files that import it by name). The tests lie by subject under tests/
+# (tests/formats/, tests/training/, ...), one file per unit.
 TEST_MAP = {
-    "gpt2attn/formats/gguf.py": [
-        "tests/test_formats_gguf.py", "tests/test_formats_rules.py", "tests/test_formats_gguf_details.py",
-    ],
-    "gpt2attn/formats/llmc.py": [
-        "tests/test_formats_llmc.py", "tests/test_formats_rules.py", "tests/test_formats_llmc_details.py",
-    ],
+    "gpt2attn/formats/gguf.py": ["tests/formats/test_gguf.py", "tests/formats/test_detect.py"],
+    "gpt2attn/formats/llmc.py": ["tests/formats/test_llmc.py", "tests/formats/test_detect.py"],
     "gpt2attn/formats/": [
-        "tests/test_formats_gguf.py", "tests/test_formats_llmc.py", "tests/test_files.py",
-        "tests/test_checkpoint.py", "tests/test_bad_inputs_loading.py", "tests/test_tf_checkpoint.py",
-        "tests/test_formats_rules.py", "tests/test_formats_detect.py", "tests/test_formats_hf_details.py",
-        "tests/test_formats_checkpoint_details.py",
+        "tests/formats/test_gguf.py", "tests/formats/test_llmc.py", "tests/formats/test_files.py",
+        "tests/formats/test_checkpoint.py", "tests/formats/test_bad_inputs.py", "tests/formats/test_openai_tf.py",
+        "tests/formats/test_detect.py", "tests/formats/test_hf.py", "tests/formats/test_nanogpt_and_state_dict.py",
     ],
-    "gpt2attn/explore/": ["tests/test_explore.py", "tests/test_explore_data.py", "tests/test_explore_details.py"],
-    "gpt2attn/training/": ["tests/test_training.py", "tests/test_training_loop.py", "tests/test_training_rules.py"],
-    # The loop's own fast tests (a run of a fraction of a second each), so a mutant costs seconds, not
-    # the minutes of test_training_loop.py's end-to-end runs; pass --pytest-args "-m 'not slow'" to
-    # leave out test_training_rules.py's torchrun test too.
-    "gpt2attn/training/loop.py": [
-        "tests/test_training_loop_fast.py", "tests/test_training_rules.py", "tests/test_training.py",
-    ],
-    "gpt2attn/interop/hooks.py": ["tests/test_import_hooks.py", "tests/test_import_hook_rules.py"],
+    "gpt2attn/explore/": ["tests/explore/test_explore.py"],
+    # The loop's runs of seconds (end to end, torchrun) are marked slow: pass --pytest-args "-m 'not slow'"
+    # for its fast tier (a fraction of a second a test), so that a mutant costs seconds, not minutes.
+    "gpt2attn/training/": ["tests/training/test_training.py", "tests/training/test_loop.py"],
+    "gpt2attn/interop/hooks.py": ["tests/ecosystem/test_import_hooks.py"],
     "gpt2attn/generation/": [
-        "tests/test_generation.py", "tests/test_generation_exact.py",
-        "tests/test_generation_processors.py", "tests/test_bad_inputs_generate.py",
-        "tests/test_generation_max_length.py",
+        "tests/generation/test_generate.py", "tests/generation/test_exact.py",
+        "tests/generation/test_processors.py", "tests/generation/test_bad_inputs.py",
+        "tests/generation/test_max_length.py",
     ],
-    # generate() and its settings also take transformers' GenerationConfig (tests/test_surface.py)
+    # generate() and its settings also take transformers' GenerationConfig (tests/compat/test_surface.py)
     "gpt2attn/generation/config.py": [
-        "tests/test_generation.py", "tests/test_generation_exact.py", "tests/test_bad_inputs_generate.py",
-        "tests/test_generation_max_length.py", "tests/test_surface.py",
+        "tests/generation/test_generate.py", "tests/generation/test_exact.py", "tests/generation/test_bad_inputs.py",
+        "tests/generation/test_max_length.py", "tests/compat/test_surface.py",
     ],
     "gpt2attn/generation/generate.py": [
-        "tests/test_generation.py", "tests/test_generation_exact.py", "tests/test_generation_processors.py",
-        "tests/test_bad_inputs_generate.py", "tests/test_generation_max_length.py", "tests/test_surface.py",
+        "tests/generation/test_generate.py", "tests/generation/test_exact.py", "tests/generation/test_processors.py",
+        "tests/generation/test_bad_inputs.py", "tests/generation/test_max_length.py", "tests/compat/test_surface.py",
     ],
-    "gpt2attn/adapters.py": ["tests/test_surface.py", "tests/test_ecosystem_peft.py"],
+    "gpt2attn/adapters.py": ["tests/compat/test_surface.py", "tests/ecosystem/test_peft.py"],
     "gpt2attn/errors.py": [
-        "tests/test_fuzz_formats.py", "tests/test_bad_inputs_loading.py", "tests/test_formats_hf_details.py",
-        "tests/test_files.py",
+        "tests/formats/test_fuzz.py", "tests/formats/test_bad_inputs.py", "tests/formats/test_hf.py",
+        "tests/formats/test_files.py",
     ],
-    "gpt2attn/quantize.py": ["tests/test_quantize.py", "tests/test_kernels.py", "tests/test_decode_step.py"],
-    "gpt2attn/decode_step.py": ["tests/test_decode_step.py", "tests/test_q4.py", "tests/test_kernels.py"],  # q4: the Q4_K rows
+    "gpt2attn/quantize.py": ["tests/kernels/test_quantize.py", "tests/kernels/test_kernels.py",
+                             "tests/kernels/test_decode_step.py"],
+    "gpt2attn/decode_step.py": ["tests/kernels/test_decode_step.py", "tests/kernels/test_q4.py",  # q4: the Q4_K rows
+                                "tests/kernels/test_kernels.py"],
     "gpt2attn/pretrained.py": [
-        "tests/test_model_api.py", "tests/test_surface.py", "tests/test_checkpoint.py", "tests/test_quantize.py",
+        "tests/model/test_api.py", "tests/compat/test_surface.py", "tests/formats/test_checkpoint.py",
+        "tests/kernels/test_quantize.py",
     ],
-    "gpt2attn/bridge.py": ["tests/test_ecosystem_transformers.py", "tests/test_quantize.py"],
+    "gpt2attn/bridge.py": ["tests/ecosystem/test_bridge.py", "tests/kernels/test_quantize.py"],
 }
 
 # mutmut's exit codes, grouped the way the score counts them.
@@ -118,15 +113,16 @@ def tests_for(files: list[str], root: Path) -> list[str]:
     tests: set[str] = set()
     for f in files:
         prefixes = [k for k in TEST_MAP if f.startswith(k)]
-        if prefixes:
-            tests.update(TEST_MAP[max(prefixes, key=len)])
+        mapped = [t for t in TEST_MAP[max(prefixes, key=len)] if (root / t).exists()] if prefixes else []
+        if mapped:  # none exist in a --rev commit from before the tests' layout: found by import below
+            tests.update(mapped)
             continue
         dotted = f[:-3].replace("/", ".").removesuffix(".__init__")
         stem = dotted.rsplit(".", 1)[-1]
-        for t in sorted((root / "tests").glob("test_*.py")):
+        for t in sorted((root / "tests").rglob("test_*.py")):
             text = t.read_text()
             if dotted in text or f"import {stem}" in text:
-                tests.add(f"tests/{t.name}")
+                tests.add(t.relative_to(root).as_posix())
     return sorted(t for t in tests if (root / t).exists())
 
 

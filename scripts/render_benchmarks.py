@@ -5,7 +5,7 @@
 
 Every figure on the page comes from docs/benchmarks/results/<bench>.json (the latest run of each
 bench on each CPU family it has met) and is printed under its CPU family, beside that run's date,
-machine, commit and command; nothing on the page is typed in by hand except what each bench measures. tests/test_docs.py fails when the page and the result
+machine, commit and command; nothing on the page is typed in by hand except what each bench measures. tests/project/test_docs.py fails when the page and the result
 files disagree.
 """
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 
-# What each bench measures and how, for every bench of bench.BENCHES in its order (tests/test_docs.py checks
+# What each bench measures and how, for every bench of bench.BENCHES in its order (tests/project/test_docs.py checks
 # both list the same). Figures never go here: they come from the run.
 ABOUT = {
     "forward": "The forward pass of gpt2-small (124M parameters, random weights), fp32, eval, batch 1, no "

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from helpers import kernel_builds, needs_kernels, num_threads
+from tests.helpers import kernel_builds, needs_kernels, num_threads
 
 # The user's warning filters must not decide a test's outcome, in the subprocesses tests start too
 # (pyproject.toml's filterwarnings does the same for this process).

@@ -23,9 +23,9 @@ taking the machine. The outcome of a case is one of
     memory    peak RSS over the limit, or a MemoryError: a failure
     crash     the worker died (a segfault, an abort): a failure
 
-tests/test_fuzz_formats.py runs a few hundred cases; scripts/fuzz_formats.py runs thousands.
-Run `python tests/fuzzing.py FORMAT SEED INDEX` to replay one case in this process and see its
-traceback.
+tests/formats/test_fuzz.py runs a few hundred cases; `python -m scripts.fuzz_formats` runs thousands.
+Run `python -m tests.fuzzing FORMAT SEED INDEX` from the checkout's root to replay one case in this
+process and see its traceback.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ FORMATS = ("hf", "shards", "pytorch_bin", "llmc", "gguf", "nanogpt", "openai_tf"
 FAILURES = ("other", "slow", "memory", "crash")
 CPU_LIMIT_S = 2.0
 RSS_LIMIT = 1 << 30
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the checkout: `python -m tests.fuzzing` runs from here
 
 # --- values a mutation puts in a field ---------------------------------------------------------
 
@@ -212,7 +212,7 @@ def make_seeds(root: Path) -> dict[str, Path]:
     seeds["nanogpt"].parent.mkdir()
     torch.save(nanogpt_seed(), seeds["nanogpt"])
     seeds["openai_tf"] = root / "openai_tf"
-    shutil.copytree(HERE / "data" / "openai-tf-tiny", seeds["openai_tf"],
+    shutil.copytree(REPO / "tests" / "data" / "openai-tf-tiny", seeds["openai_tf"],
                     ignore=shutil.ignore_patterns("expected.npz", "README.md"))
     seeds["tokenizer"] = root / "tokenizer"
     seeds["tokenizer"].mkdir()
@@ -686,10 +686,9 @@ class Worker:
     """A worker process fed one case at a time; killed and replaced after a hang or a crash."""
 
     def __init__(self):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE),
-                                                            os.environ.get("PYTHONPATH", "")]),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                "RUST_BACKTRACE": "0", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fuzzing", "--worker"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.buffer = b""
         if self.read(120) is None:
@@ -757,7 +756,7 @@ def run_cases(cases: list[dict], wall_limit: float = 10.0, progress=None) -> lis
 
 def reproducer(result: dict) -> str:
     return (f"{result['outcome']}: format={result['fmt']} seed={result['seed']} index={result['index']} "
-            f"mutation={result.get('mutation', '?')}\n  replay: python tests/fuzzing.py {result['fmt']} "
+            f"mutation={result.get('mutation', '?')}\n  replay: python -m tests.fuzzing {result['fmt']} "
             f"{result['seed']} {result['index']}\n  {result.get('detail', '')}")
 
 

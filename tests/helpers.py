@@ -13,7 +13,9 @@ import torch
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+REPO = Path(__file__).resolve().parents[1]  # the checkout; tests import this package as `tests` from here
+DATA = REPO / "tests" / "data"  # the small files the tests read (each folder's README.md says how it was made)
+SHARED_DATA = Path(os.environ.get("GPT2ATTN_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
 def shared_data(name: str) -> Path:

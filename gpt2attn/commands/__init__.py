@@ -4,7 +4,7 @@ The top of gpt2attn (only cli.py imports these): each module defines HELP, add_a
 and run(args). cli.py imports every one to build the parser, so their top-level imports and
 add_arguments reach only modules that import no torch (shipped.py, files.py, training/config.py,
 this package); each imports the library it drives inside run(). `gpt2attn --help` thus stays fast
-(gpt2attn/__init__.py imports its names on first use; tests/test_import_graph.py holds this).
+(gpt2attn/__init__.py imports its names on first use; tests/project/test_import_graph.py holds this).
 
     generate.py   continue a prompt, streaming     train.py   training.train on a TOML recipe
     convert.py    any checkpoint -> an HF folder   parity.py  layer by layer against transformers

@@ -1,0 +1,1 @@
+"""The command line: bad input, convert and parity."""

@@ -1,0 +1,74 @@
+"""transformers' own GPT-2 test file, run on gpt2attn by ../shared/hf-tests/run.sh (the import line
+changed, nothing else): every test that passes on transformers must pass on gpt2attn, in both runs
+(GPT2Config from gpt2attn, and from transformers), except the tests docs/surface.md lists under
+"transformers' own tests". A new failure fails this test, naming it; a listed test that passes now
+is printed (its row can go).
+
+Needs ../shared/hf-tests (the project's shared folder; a user's clone has none) and transformers
+5.24.x, the release those test files were taken from; skips, saying which, otherwise.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from tests.helpers import REPO as ROOT
+
+HF_TESTS = Path(os.environ.get("GPT2ATTN_SHARED_DATA", ROOT.parent / "shared" / "data")).parent / "hf-tests"
+SURFACE_PAGE = ROOT / "docs" / "surface.md"
+ROW = re.compile(r"^\| `(test_\w+)` \| (both|gpt2attn|hfconfig) \| (.+) \|$")
+MODES = {"gpt2attn": "gpt2attn", "hfconfig": "gpt2attn-hfconfig"}
+
+
+def listed_gaps() -> dict[str, set[str]]:
+    """mode -> the test names docs/surface.md lists for it."""
+    gaps: dict[str, set[str]] = {mode: set() for mode in MODES.values()}
+    for line in SURFACE_PAGE.read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            name, where, reason = m.groups()
+            assert reason.strip(), f"docs/surface.md: the row for {name} gives no reason"
+            for short, mode in MODES.items():
+                if where in ("both", short):
+                    gaps[mode].add(name)
+    return gaps
+
+
+def test_the_gap_table_is_read():
+    gaps = listed_gaps()
+    assert "test_gradient_checkpointing_enable_disable" in gaps["gpt2attn"]
+    assert "test_gradient_checkpointing_enable_disable" in gaps["gpt2attn-hfconfig"]
+
+
+@pytest.mark.slow
+def test_transformers_own_gpt2_tests_pass_on_gpt2attn(tmp_path):
+    if not (HF_TESTS / "run.sh").is_file():
+        pytest.skip(f"{HF_TESTS} is absent: this test needs the project's shared folder (../shared/hf-tests)")
+    if not transformers.__version__.startswith("5.24."):
+        pytest.skip(f"transformers {transformers.__version__} is installed; ../shared/hf-tests holds 5.24's tests")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(PROJECT=str(ROOT), PY=sys.executable, HFOWN_WORK=str(tmp_path))
+    run = subprocess.run(["bash", str(HF_TESTS / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1500)
+    last = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert "hf own tests:" in last, f"run.sh ended without its summary:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    listed = listed_gaps()
+    problems = []
+    for mode in MODES.values():
+        with open(tmp_path / f"gap-{mode}.tsv", newline="") as f:
+            found = {row["test"].split("::")[-1]: row["first error line"] for row in csv.DictReader(f, delimiter="\t")}
+        problems += [f"{mode}: {name} passes on transformers, not on gpt2attn: {error[:300]}"
+                     for name, error in sorted(found.items()) if name not in listed[mode]]
+        for name in sorted(listed[mode] - set(found)):
+            print(f"{mode}: {name} is listed in docs/surface.md but passes now: its row can go")
+    print(last)
+    assert not problems, "\n".join(problems)

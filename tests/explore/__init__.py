@@ -1,0 +1,1 @@
+"""The attention explorer (gpt2attn explore) and gpt2attn.inspect."""

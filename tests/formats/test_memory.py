@@ -1,0 +1,195 @@
+"""Memory that follows the weights: quantize() keeps no fp32 copy of the matrices, loading with
+quantize= reads one fp32 matrix at a time, and the GGUF and llm.c writers convert one tensor at a
+time (writing the very bytes they wrote when they converted everything first), killable mid-file.
+The peak RSS these give is measured by scripts/bench_memory.py, not here."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from gpt2attn import GPT2Config, GPT2LMHeadModel, quantize
+from gpt2attn.formats import gguf, llmc, save
+from gpt2attn.layers import Conv1D
+from tests.helpers import REPO, randomize, tiny_config
+
+pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "int8"])
+def test_quantize_keeps_no_fp32_copy_of_the_matrices(mode):
+    model = randomize(GPT2LMHeadModel(tiny_config(n_embd=64, n_layer=3))).eval()
+    expected = {name: t.clone() for name, t in model.state_dict().items()}
+    matrices = [StorageWeakRef(m.weight.untyped_storage()) for m in model.modules() if isinstance(m, Conv1D)]
+    wte = StorageWeakRef(model.transformer.wte.weight.untyped_storage())
+    model.quantize(mode)
+    alive = [i for i, ref in enumerate(matrices) if not ref.expired()]
+    assert len(matrices) == 4 * 3 and alive == [], f"fp32 Conv1D weights still held after quantize({mode!r}): {alive}"
+    assert not wte.expired()  # the embedding stays fp32 (and is what the tied head's state_dict gives)
+    state = model.state_dict()  # Hugging Face's fp32 keys and shapes, computed when asked
+    assert state.keys() == expected.keys()
+    assert all(state[k].dtype == torch.float32 and state[k].shape == t.shape for k, t in expected.items())
+
+
+def resident_bytes_of(path: Path) -> int:
+    """Bytes of the file at `path` mapped into this process and resident: the Rss of its maps in
+    /proc/self/smaps (pages of a map count once used, until the map goes)."""
+    total, ours, name = 0, False, os.path.realpath(path)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                ours = line.rstrip("\n").endswith(" " + name)
+            elif ours and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("fmt", ["safetensors", "llm.c", "gguf f32"])
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeypatch, fmt, mode):
+    """After each layer is packed, the file's resident pages are at most every tensor that stays
+    fp32 (embeddings, norms, biases) and the one matrix being packed: a layer's fp32 pages go
+    before the next is read, so the whole fp32 model is never in memory at once."""
+    config = tiny_config(vocab_size=512, n_positions=64, n_embd=128, n_layer=6)  # the matrices are most of it
+    model = randomize(GPT2LMHeadModel(config))
+    if fmt == "safetensors":
+        model.save_pretrained(tmp_path / "model")
+        source = file = tmp_path / "model" / "model.safetensors"
+    else:
+        source = file = tmp_path / ("model.bin" if fmt == "llm.c" else "model.gguf")
+        save(model, file, dtype="fp32" if fmt == "llm.c" else "f32")
+    sizes = {name: t.numel() * 4 for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    matrices = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    kept = sum(size for name, size in sizes.items() if name.removesuffix(".weight") not in matrices)
+    largest = max(sizes[f"{name}.weight"] for name in matrices)
+    bound = kept + largest + 2 * len(sizes) * resource.getpagesize()  # a map may start and end inside a page
+    assert bound < sum(sizes.values()) / 3  # so the whole model (or half of it) cannot pass
+
+    steps = []
+    pack = quantize.PackedLinear.__init__
+
+    def packing(self, *args, **kwargs):
+        pack(self, *args, **kwargs)
+        steps.append(resident_bytes_of(file))
+
+    monkeypatch.setattr(quantize.PackedLinear, "__init__", packing)
+    GPT2LMHeadModel.from_pretrained(source, quantize=mode)
+    assert len(steps) == len(matrices) + 1  # and the head
+    assert steps[0] > 0 and max(steps) <= bound, (max(steps), bound, steps)
+
+
+def exact_state(config: GPT2Config) -> dict[str, torch.Tensor]:
+    """A GPT2LMHeadModel state dict (head tied) of multiples of 1/1024 from integer arithmetic: the
+    same bits on every machine and torch version, so a file written from it has one hash."""
+    state = {}
+    for k, (name, t) in enumerate(GPT2LMHeadModel(config).state_dict().items()):
+        values = (torch.arange(t.numel(), dtype=torch.int64) * 7919 + k * 104729) % 251 - 125
+        state[name] = (values.float() / 1024).view(t.shape)
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    return state
+
+
+# n_inner 80: ffn_down's rows (80 values) are no multiple of Q8_0's block, so q8_0 writes it F16
+GGUF_CONFIG = dict(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=80)
+LLMC_CONFIG = dict(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+# sha256 of the files the writers wrote when they converted every tensor before writing any
+# (commit ea93f48, gguf package 0.19.0): converting one tensor at a time must not change a byte.
+# A GGUF file's header is the gguf package's to write (another release may add a key), so beside the
+# whole file's hash, which holds under the release that wrote it, its tensor data (from the reader's
+# data_offset on, the part our conversion writes) has a hash of its own that holds under any release.
+WRITTEN_BY = "0.19.0"
+GGUF_DATA_BEFORE = {
+    "m-f32.gguf": "ff5bd6acc9d89e5bd4ae2360cbdd8215ffa7456e0026c2ce69e00db9acb691b1",
+    "m-f16.gguf": "0bb012482ae423feb7ef9069669eedda68b8bd10846fa72593e59b6eae2d4176",
+    "m-bf16.gguf": "b8c5824ee26d235f5db92125e6e4dc504e87e0186c47b5a5d1ff00acf2c57619",
+    "m-q8_0.gguf": "5ad794ac9b385de7499641f84b6b420c7459eea87403a24446bbd1d4e9c34286",
+}
+WRITTEN_BEFORE = {
+    "m-f32.gguf": "33e382391537acc9bca9e052cc50391a2d67d1e11003a06128e23f2aa4b3e986",
+    "m-f16.gguf": "ed67f36736392404489b9a7e30fb268b528adaea4752b4819327a3ab73f14b37",
+    "m-bf16.gguf": "7d75aa59db0cdaed443b12f8d36026aa7a73b73340b7850e32168cf40a4c80cb",
+    "m-q8_0.gguf": "b1dab4c059b5685ac1ef6700bbfb341194a610da5405e5c19b1d947c82c18985",
+    "m-fp32.bin": "966b1361f9e0dc0cf2279f29a288dd1026e923a02aacd8bc6b4dde24de154289",
+    "m-bf16.bin": "10ea778e93803ea0d68122dc6a69bca30cd595696be59f0a7ff105334cc83d10",
+}
+
+
+def write_exact(path: Path) -> None:
+    """The exact model of the file name's format and type (m-KIND.gguf or m-KIND.bin) written at path."""
+    fmt, config = (gguf, GGUF_CONFIG) if path.suffix == ".gguf" else (llmc, LLMC_CONFIG)
+    config = GPT2Config(**config)
+    fmt.write(path, exact_state(config), config, dtype=path.stem.removeprefix("m-"))
+
+
+@pytest.mark.parametrize("name", WRITTEN_BEFORE)
+def test_streaming_writers_write_the_bytes_they_wrote_before(tmp_path, name):
+    write_exact(tmp_path / name)
+    written = (tmp_path / name).read_bytes()
+    if name.endswith(".gguf"):
+        import gguf as gguf_package
+
+        start = gguf_package.GGUFReader(tmp_path / name).data_offset
+        assert hashlib.sha256(written[start:]).hexdigest() == GGUF_DATA_BEFORE[name]
+    if name == "m-q8_0.gguf":
+        types = {n: t[0] for n, t in gguf.GGUFFile(tmp_path / name).tensors.items()}
+        assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
+    if name.endswith(".bin") or importlib.metadata.version("gguf") == WRITTEN_BY:
+        assert hashlib.sha256(written).hexdigest() == WRITTEN_BEFORE[name]
+
+
+@pytest.mark.parametrize("name", ["m-q8_0.gguf", "m-f16.gguf", "m-bf16.bin"])
+def test_writers_hold_one_converted_tensor_at_a_time(tmp_path, monkeypatch, name):
+    fmt = gguf if name.endswith(".gguf") else llmc
+    convert, converted, alive_at_each = fmt.stored_data, [], []
+
+    def tracked(*args):
+        alive_at_each.append(sum(ref() is not None for ref in converted))
+        out = convert(*args)
+        converted.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(fmt, "stored_data", tracked)
+    write_exact(tmp_path / name)
+    assert len(alive_at_each) > 20 and set(alive_at_each) == {0}, alive_at_each
+
+
+KILLED_WRITER = r"""
+import resource, signal, sys
+from pathlib import Path
+from {module} import write_exact
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python starts with it ignored
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+write_exact(Path(sys.argv[1]))  # SIGXFSZ, whose default action kills, when the file reaches the limit
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="kills the writer by its file size limit (POSIX)")
+@pytest.mark.parametrize("name", ["m-q8_0.gguf", "m-bf16.bin"])
+def test_a_writer_killed_mid_file_leaves_the_old_file(tmp_path, name):
+    path = tmp_path / name
+    write_exact(tmp_path / "new" / name)
+    new_size = (tmp_path / "new" / name).stat().st_size
+    path.write_bytes(b"the old file")
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER.format(module=__name__), str(path), str(new_size // 2)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGXFSZ, done.stderr
+    assert path.read_bytes() == b"the old file"
+    (partial,) = [p for p in tmp_path.iterdir() if p.name not in (name, "new")]
+    assert partial.name.startswith(f".{name}.") and partial.stat().st_size == new_size // 2
+    write_exact(path)  # the next write replaces the file and removes the killed one's leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "new"])
+    assert path.read_bytes() == (tmp_path / "new" / name).read_bytes()

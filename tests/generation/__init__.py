@@ -1,0 +1,1 @@
+"""generate() and its pieces: search, logits processors, lengths, bad requests."""

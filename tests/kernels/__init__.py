@@ -1,0 +1,1 @@
+"""The CPU decoding kernels, their cache, the whole decoding step and quantize()."""

@@ -1,0 +1,313 @@
+"""gpt2attn.decode_step (a whole decoding step in one C++ call) against its reference, the model's
+own forward, for a plain fp32 model and in every precision quantize() offers, at gpt2-small's
+shapes in every build this CPU can run, on 2 threads; and generate() taking it exactly when it can
+(decided once per request by gpt2attn.generation.decoder.unfused_reason).
+
+The reference for each comparison is the same model run through its modules (for a quantized
+model, the per-layer kernels), so the only difference is the step: same weights, same rounding."""
+
+import copy
+import gc
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
+from gpt2attn.cache import KVCache
+from gpt2attn.decode_step import DecodeStep
+from gpt2attn.generation import decoder as D
+from gpt2attn.layers import no_tap
+from gpt2attn.quantize import DECODE_ROWS
+from tests.helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
+
+MODES = ["plain", "fp32", "fp16", "bf16", "int8"]  # plain: the model as loaded, no quantize() call
+
+
+def model_for(mode, **overrides):
+    fields = dict(n_embd=64, n_head=4, vocab_size=203)  # int8 needs widths in blocks of 32
+    fields.update(overrides)
+    base = randomize(GPT2LMHeadModel(tiny_config(**fields)), seed=5, std=0.1).eval()
+    return base if mode == "plain" else base.quantize(mode)
+
+
+def both_ways(model, B, prompt_len=6, capacity=16):
+    """(reference logits, step logits, reference cache, step cache) for one new token after a prompt."""
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (B, prompt_len + 1), generator=torch.Generator().manual_seed(B))
+    caches = [KVCache.preallocate(cfg.n_layer, B, cfg.n_head, capacity, cfg.n_embd // cfg.n_head) for _ in range(2)]
+    with torch.no_grad(), num_threads(2):
+        for cache in caches:
+            model(ids[:, :prompt_len], cache=cache)
+        expected = model(ids[:, prompt_len:], cache=caches[0]).logits[:, -1]
+        assert D.unfused_reason(model, B) is None
+        got = DecodeStep(model)(ids[:, prompt_len:], caches[1])
+    return expected, got, caches[0], caches[1]
+
+
+def count_steps(monkeypatch) -> list:
+    calls = []
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a, f=DecodeStep.__call__: calls.append(1) or f(self, *a))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B", [1, 3, DECODE_ROWS])
+def test_step_equals_the_modules(mode, B):
+    expected, got, ref_cache, cache = both_ways(model_for(mode), B)
+    assert max_diff(got, expected) < 1e-5
+    assert cache.length == ref_cache.length == 7
+    assert max_diff(cache.block, ref_cache.block) < 1e-5  # the new keys and values, in place, nothing else
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["plain", "fp16", "bf16"])
+@pytest.mark.parametrize("overrides", [
+    dict(n_embd=36, n_head=3, n_inner=100, vocab_size=37),  # head size 12 and odd widths: every loop's tail
+    dict(n_embd=40, n_head=4, n_inner=72, vocab_size=45),  # widths of 8 past a multiple of 16: AVX-512's tail
+    dict(scale_attn_by_inverse_layer_idx=True, n_layer=3),
+    dict(scale_attn_weights=False, activation_function="gelu_pytorch_tanh"),
+])
+def test_step_follows_the_config(mode, overrides):
+    expected, got, ref_cache, cache = both_ways(model_for(mode, **overrides), 2)
+    assert max_diff(got, expected) < 1e-5 and max_diff(cache.block, ref_cache.block) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("B", [1, 3])
+def test_int8_step_with_odd_and_even_block_counts(B):
+    # 96 inputs: 3 blocks of 32 (AVX-512 takes them two at a time, then one); 160: 5; 64 of the head: 2
+    expected, got, ref_cache, cache = both_ways(model_for("int8", n_embd=96, n_head=4, n_inner=160), B)
+    assert max_diff(got, expected) < 1e-5 and max_diff(cache.block, ref_cache.block) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_blocks():
+    """gpt2-small's shapes (vocabulary 50257, wider than every layer; 12 heads of 64), 2 blocks."""
+    cfg = GPT2Config.from_preset("gpt2")
+    cfg.n_layer = 2
+    torch.manual_seed(0)  # the large-scores check below reads this model's own scores: the same model every run
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", sorted(kernel_builds()))
+@pytest.mark.parametrize("mode, large_scores", [(mode, True) for mode in MODES] + [("int8", False)])
+def test_step_at_gpt2_small_shapes(gpt2_small_blocks, build, mode, large_scores, monkeypatch):
+    monkeypatch.setattr(kernels, "library", lambda: kernel_builds()[build])
+    model = copy.deepcopy(gpt2_small_blocks)
+    if large_scores:  # every query and key gets 4 added to each of its values: q . k / 8 about 64 x 16 / 8 = 128
+        with torch.no_grad():
+            for block in model.transformer.h:
+                block.attn.c_attn.bias[: 2 * model.config.n_embd] += 4.0
+        seen, attn = {}, model.transformer.h[0].attn
+        attn.tap = lambda name, x: seen.setdefault(name, x)
+        with torch.no_grad():
+            model(torch.randint(0, 50257, (2, 6), generator=torch.Generator().manual_seed(2)))
+        attn.tap = no_tap
+        scores = seen["q"] @ seen["k"].transpose(-1, -2) * attn.scale  # (B, nh, T, T) of a prompt
+        assert scores.max() > 100 and (scores.amax(-1) - scores.amin(-1)).min() > 1  # large, and far from uniform
+    if mode != "plain":
+        model.quantize(mode)
+    expected, got, ref_cache, cache = both_ways(model, 2, prompt_len=12)  # 13 keys: 8 a vector, and a tail
+    # int8 rounds each product's input to 255 levels per 32 values: where the step's LayerNorm or
+    # GELU differs from torch's in the last bit, a value can round the other way, which moves the
+    # logits by about 1%, at large scores and at ordinary ones alike (measured on 12 random
+    # gpt2-small-shaped models at ordinary scores: 8 within 3e-7, 4 at 0.5-1.4%; with 1e-5 here
+    # the test failed on about one run in three)
+    tolerance = 0.05 if mode == "int8" else 1e-5
+    assert max_diff(got, expected) / expected.abs().max() < tolerance
+    assert max_diff(cache.block, ref_cache.block) / ref_cache.block.abs().max() < tolerance
+
+
+@needs_kernels
+def test_the_step_keeps_the_tensors_it_points_into():
+    """DecodeStep hands decode.cpp raw pointers into the model's tensors and keeps those tensors:
+    with the model it was made from deleted and its memory reused, it computes the same logits."""
+    model = model_for("plain")
+    expected, _, _, _ = both_ways(model, 2)
+    gone = copy.deepcopy(model)
+    step = DecodeStep(gone)
+    del gone
+    gc.collect()
+    # had the step let go of a tensor, its memory is taken again here and filled with NaN (the tiny
+    # model's blocks, under malloc's mmap threshold, come back from its free lists)
+    litter = [torch.full_like(p, float("nan")) for p in model.parameters() for _ in range(3)]
+    ids = torch.randint(0, 203, (2, 7), generator=torch.Generator().manual_seed(2))  # both_ways' ids for B=2
+    cache = KVCache.preallocate(2, 2, 4, 16, 16)
+    with torch.no_grad(), num_threads(2):
+        model(ids[:, :6], cache=cache)
+        got = step(ids[:, 6:], cache)
+    del litter
+    assert max_diff(got, expected) < 1e-5
+
+
+@needs_kernels
+def test_the_last_position_of_the_cache_and_of_the_model():
+    model = model_for("fp32", n_positions=8)
+    expected, got, _, _ = both_ways(model, 2, prompt_len=7, capacity=8)  # the new token takes position 7 of 8
+    assert max_diff(got, expected) < 1e-5
+    full = KVCache.preallocate(2, 1, 4, 9, 16)
+    full.length = 8
+    with pytest.raises(ValueError, match="position past the model's n_positions"):
+        DecodeStep(model)(torch.zeros(1, 1, dtype=torch.long), full)
+    assert full.length == 8 and not full.block.any()  # nothing computed
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_takes_the_step_and_keeps_its_tokens(mode, monkeypatch):
+    model = model_for(mode)
+    prompt = torch.randint(0, 203, (2, 5), generator=torch.Generator().manual_seed(9))
+    watched = copy.deepcopy(model)
+    watched.transformer.h[0].register_forward_hook(lambda *args: None)  # something watching: the modules run
+    assert D.unfused_reason(watched) == "a forward hook on transformer.h.0"
+    calls = count_steps(monkeypatch)
+    for kwargs in (dict(do_sample=False), dict(num_beams=3), dict(do_sample=True, top_k=20)):
+        torch.manual_seed(0)
+        fused = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, **kwargs)
+        assert len(calls) >= 9
+        calls.clear()
+        torch.manual_seed(0)
+        modules = watched.generate(prompt, max_new_tokens=10, min_new_tokens=10, **kwargs)
+        assert not calls
+        assert torch.equal(fused, modules), kwargs
+
+
+@needs_kernels
+def test_a_plain_model_decodes_in_one_call_at_transformers_parity_untouched(monkeypatch):
+    """No quantize(): generate takes the step with the model's own parameters, its modules and
+    parameters as they were (nothing a user or PEFT would notice), logits within 1e-5 of transformers."""
+    model = model_for("plain")
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    params = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    prompt = torch.randint(0, 203, (2, 5), generator=torch.Generator().manual_seed(2))
+    calls = count_steps(monkeypatch)
+    out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, return_dict_in_generate=True, output_logits=True)
+    assert len(calls) == 7  # every token after the first
+    with torch.no_grad():
+        expected = hf_twin(model).eval()(out.sequences).logits[:, 4:-1]  # (B, 8, V): the logits of each new token
+    assert max_diff(torch.stack(out.logits, dim=1), expected) < 1e-5
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    for name, p in model.named_parameters():
+        assert p is params[name][0] and torch.equal(p, params[name][1]) and p.requires_grad, name
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["plain", "int8"])
+def test_left_padded_prompts_take_the_step_and_keep_their_tokens(mode, monkeypatch):
+    model = model_for(mode)
+    watched = copy.deepcopy(model)
+    watched.transformer.register_forward_pre_hook(lambda *args: None)
+    ids = torch.randint(1, 203, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    calls = count_steps(monkeypatch)
+    for kwargs in (dict(do_sample=False), dict(num_beams=2)):
+        fused = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, **kwargs)
+        assert len(calls) >= 5
+        calls.clear()
+        assert torch.equal(fused, watched.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, **kwargs))
+        assert not calls
+
+
+@needs_kernels
+def test_token_types_take_the_modules(monkeypatch):
+    model = model_for("int8")
+    calls = count_steps(monkeypatch)
+    ids = torch.randint(1, 203, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, token_type_ids=torch.zeros_like(ids), max_new_tokens=4)
+    assert not calls
+    model.generate(ids, max_new_tokens=4)
+    assert calls
+
+
+@needs_kernels
+def test_the_path_is_chosen_once_per_request(monkeypatch):
+    model = model_for("plain")
+    asked = []
+    monkeypatch.setattr(D, "unfused_reason", lambda *a, f=D.unfused_reason: asked.append(1) or f(*a))
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, min_new_tokens=12)
+    assert len(asked) == 1
+
+
+class Wrapped(nn.Module):  # as PEFT wraps a layer: the step cannot see what it adds
+    def __init__(self, layer):
+        super().__init__()
+        self.base_layer = layer
+        self.eval()
+
+    def forward(self, x):
+        return self.base_layer(x) + 1
+
+
+def test_unfused_reason_names_each_obstacle(monkeypatch):
+    plain = randomize(GPT2LMHeadModel(tiny_config()), seed=1).eval()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert D.unfused_reason(plain) == "the kernels are not available here"
+    monkeypatch.undo()
+    if not kernels.available():
+        pytest.skip("the CPU kernels cannot run on this machine")
+    assert D.unfused_reason(plain) is None
+    assert D.unfused_reason(plain, rows=DECODE_ROWS + 1) == "9 rows (the step takes at most 8)"
+    assert D.unfused_reason(plain, token_type_ids=torch.zeros(1, 1)) == "token types"
+    assert D.unfused_reason(copy.deepcopy(plain).train()) == "the model is in training mode (dropout)"
+    half_trained = copy.deepcopy(plain)
+    half_trained.transformer.h[1].mlp.train()
+    assert D.unfused_reason(half_trained) == "transformer.h.1.mlp is in training mode (dropout)"
+    relu = copy.deepcopy(plain)
+    relu.config.activation_function = "relu"
+    assert "activation_function 'relu'" in D.unfused_reason(relu)
+    tapped = copy.deepcopy(plain)
+    tapped.transformer.h[1].mlp.tap = lambda name, x: x
+    assert D.unfused_reason(tapped) == "a tap on transformer.h.1.mlp"
+    pre = copy.deepcopy(plain)
+    pre.transformer.ln_f.register_forward_pre_hook(lambda *args: None)
+    assert D.unfused_reason(pre) == "a forward hook on transformer.ln_f"
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert D.unfused_reason(plain) == "a global forward hook"
+    finally:
+        handle.remove()
+    wrapped = copy.deepcopy(plain)
+    wrapped.transformer.h[0].attn.c_attn = Wrapped(wrapped.transformer.h[0].attn.c_attn)
+    assert D.unfused_reason(wrapped) == "transformer.h.0.attn.c_attn is a Wrapped"
+    assert D.unfused_reason(copy.deepcopy(plain).double()) == "a parameter that is not contiguous fp32 on the CPU"
+    block = copy.deepcopy(plain)
+    block.transformer.h[0].mlp = nn.Sequential(block.transformer.h[0].mlp).eval()
+    assert D.unfused_reason(block) == "a module of transformer.h.0 was replaced"
+
+
+def test_a_layer_the_step_does_not_know_is_named_when_it_is_made():
+    """DecodeStep made directly (generate asks unfused_reason first)."""
+    model = model_for("plain")
+    model.transformer.h[1].mlp.c_fc = Wrapped(model.transformer.h[1].mlp.c_fc)
+    message = "Wrapped: the decoding step takes Conv1D, nn.Linear or quantize() layers"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        DecodeStep(model)
+
+
+@pytest.mark.parametrize("gain", ["strided", "fp64", "meta"])
+def test_a_vector_that_is_not_contiguous_fp32_on_the_cpu_is_refused_rather_than_read(gain):
+    model = model_for("plain")  # its LayerNorm gains are (64,)
+    model.transformer.h[0].ln_1.weight = nn.Parameter({
+        "strided": lambda: torch.ones(128)[::2],
+        "fp64": lambda: torch.ones(64, dtype=torch.float64),
+        "meta": lambda: torch.ones(64, device="meta"),
+    }[gain]())
+    with pytest.raises(AssertionError):
+        DecodeStep(model)
+
+
+@needs_kernels
+def test_a_matrix_that_does_not_fit_or_an_id_outside_the_vocabulary_is_refused_before_anything_runs():
+    model = model_for("fp32")
+    cache = KVCache.preallocate(2, 1, 4, 16, 16)
+    with pytest.raises(ValueError, match="token id outside the vocabulary"):
+        DecodeStep(model)(torch.tensor([[203]]), cache)
+    step = DecodeStep(model)
+    step.layers[1].mlp_proj.N += 8  # wider than the residual stream: would write past its buffer
+    with pytest.raises(ValueError, match="do not fit"):
+        step(torch.tensor([[3]]), cache)
+    assert cache.length == 0 and not cache.block.any()

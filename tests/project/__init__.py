@@ -1,0 +1,1 @@
+"""The project as a whole: the docs run, the import graph, the scripts."""

@@ -1,0 +1,1 @@
+"""Training: the model in a user's loop, `gpt2attn train`'s config, data and loop."""
