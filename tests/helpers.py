@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import io
+import logging
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -24,6 +26,24 @@ def shared_data(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent: this test needs the project's shared data (../shared/data/{name})")
     return path
+
+
+@contextmanager
+def load_report(level: int | None = logging.WARNING):
+    """What from_pretrained writes, while inside, to the logger transformers writes its loading report
+    to. The handler sits on that logger itself (once transformers is imported, its loggers stop
+    propagating at its root), and the logger takes `level` meanwhile, whatever verbosity another
+    test left transformers at; None leaves transformers' verbosity in charge."""
+    stream, logger = io.StringIO(), logging.getLogger("transformers.modeling_utils")
+    handler, old_level = logging.StreamHandler(stream), logger.level
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
 
 
 @contextmanager

@@ -7,15 +7,12 @@ missing before (transformers' own test file, ../shared/hf-tests, found them).
 from __future__ import annotations
 
 import inspect
-import io
-import logging
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from tests.helpers import hf_twin, max_diff, randomize, tiny_config  # noqa: E402
+from tests.helpers import hf_twin, load_report, max_diff, randomize, tiny_config  # noqa: E402
 
 import gpt2attn  # noqa: E402
 from gpt2attn import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
@@ -156,19 +153,6 @@ def test_remove_invalid_values_makes_the_logits_finite():
     assert all(torch.isfinite(s).all() for s in out.scores)
 
 
-@contextmanager
-def load_report():
-    """What from_pretrained writes to the logger transformers writes its loading report to. The handler
-    sits on that logger itself: once transformers is imported, its loggers stop propagating at its root."""
-    stream, logger = io.StringIO(), logging.getLogger("transformers.modeling_utils")
-    handler = logging.StreamHandler(stream)
-    logger.addHandler(handler)
-    try:
-        yield stream
-    finally:
-        logger.removeHandler(handler)
-
-
 def test_from_pretrained_loading_report(tmp_path):
     model = GPT2LMHeadModel(tiny_config())
     model.save_pretrained(tmp_path)
@@ -195,7 +179,7 @@ def test_from_pretrained_loading_report(tmp_path):
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # transformers' own switch silences our report too
     try:
-        with load_report() as report:
+        with load_report(level=None) as report:
             _, info = gpt2attn.GPT2ForSequenceClassification.from_pretrained(
                 tmp_path / "head", num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True)
     finally:
