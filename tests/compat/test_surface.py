@@ -121,6 +121,10 @@ def test_every_public_name_is_implemented_or_listed():
         i, o = len(implemented.get(cname, [])), len(omitted.get(cname, []))
         print(f"  {cname}: {i} implemented, {o} omitted, {i + o} total")
     assert not problems, "\n".join(problems)
+    counted = {c: (len(implemented.get(c, [])), len(omitted.get(c, []))) for c in CLASSES}
+    page = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"^\| (GPT2\w+) \| (\d+) \| (\d+) \| \d+ \|$",
+                                                             SURFACE_PAGE.read_text(), re.M)}
+    assert page == counted, f"docs/surface.md's counts table is stale: the page says {page}, the count is {counted}"
 
 
 def test_the_table_is_read():
