@@ -5,7 +5,7 @@ import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model, inspect
 from gpt2attn.quantize import Int8Linear, kernels
-from tests.helpers import hf_twin, max_diff, randomize, shared_data, tiny_config
+from tests.helpers import hf_twin, max_diff, num_threads, randomize, shared_data, tiny_config
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -288,3 +288,20 @@ def test_a_half_layer_made_directly_takes_an_nn_linear_weight():
     assert (layer.in_features, layer.out_features) == (32, 48)
     x = torch.randn(3, 32)
     assert relative_error(layer(x), x @ weight.half().float().t() + bias) < 1e-5
+
+
+@pytest.mark.parametrize("out_features, rows", [(50257, 128), (2304, 16), (2304, 256), (2304, 300)])
+def test_a_16_bit_prompt_widened_a_slice_at_a_time_equals_the_widened_product(out_features, rows):
+    """fp16 prompts widen WIDEN_ROWS weight rows at a time (GPT-2's vocabulary is no multiple of
+    it); each output column gets its own rows and bias, as the whole widened product gives them."""
+    from gpt2attn.quantize import HalfLinear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(out_features, 768) * 0.05, torch.randn(out_features)
+    layer = HalfLinear(weight, bias, torch.float16)
+    x = torch.randn(rows, 768)
+    want = x.double() @ layer.weight16.double().t() + bias.double()
+    with num_threads(2), torch.no_grad():
+        got = layer.prefill(x)
+    assert got.shape == (rows, out_features)
+    assert max_diff(got, want.float()) < 1e-5 * float(want.abs().max())
