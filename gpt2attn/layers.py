@@ -30,7 +30,10 @@ PROMPT_ROWS = (16, 256)
 
 
 def prompt_on_cpu(x: Tensor) -> bool:
-    """Whether x (M, K) is a prompt of PROMPT_ROWS rows on the CPU with no gradient to record."""
+    """Whether x (M, K) is a prompt of PROMPT_ROWS rows on the CPU with no gradient to record. Never
+    while torch.compile / torch.export trace: a branch on the row count would fix it in the graph."""
+    if torch.compiler.is_compiling():
+        return False
     low, high = PROMPT_ROWS
     return low <= x.size(0) <= high and x.device.type == "cpu" and not torch.is_grad_enabled()
 
