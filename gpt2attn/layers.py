@@ -20,32 +20,6 @@ from .cache import KVCache
 from .config import GPT2Config, check_config, inner_dim
 
 
-# A prompt's products on the CPU. MKL multiplies x (M, K) by a weight (K, N) faster the other way
-# round, (weight (N, K) · xᵀ)ᵀ, for prompts of a dozen to a few hundred rows. Measured on gpt2-small,
-# 2 threads, AMD EPYC Zen 4, 2026-11-27: the 48 block products alone at 8 rows 4x slower, at 12-128
-# rows 1.2-1.6x faster; whole prefills (the model's, quantize("fp32")'s and "fp16"'s) 1.07-1.22x
-# faster at 64 and 128 rows, even at 256, and 0.77-0.94x at 512, where the transposed outputs cost
-# the later layers more than the products gain. So between PROMPT_ROWS rows, bounds included.
-PROMPT_ROWS = (16, 256)
-
-
-def prompt_on_cpu(x: Tensor) -> bool:
-    """Whether x (M, K) is a prompt of PROMPT_ROWS rows on the CPU with no gradient to record. Never
-    while torch.compile / torch.export trace: a branch on the row count would fix it in the graph."""
-    if torch.compiler.is_compiling():
-        return False
-    low, high = PROMPT_ROWS
-    return low <= x.size(0) <= high and x.device.type == "cpu" and not torch.is_grad_enabled()
-
-
-def long_side_first(weight: Tensor, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """x (M, K) times weight (N, K)ᵀ plus bias -> (M, N), computed as (weight · xᵀ)ᵀ: a transposed
-    view of an (N, M) product (written into `out`, (N, M), when given)."""
-    if bias is None:
-        return torch.mm(weight, x.t(), out=out).t()
-    return torch.addmm(bias[:, None], weight, x.t(), out=out).t()
-
-
 class Conv1D(nn.Module):
     """A linear layer whose weight is stored (in, out), as in OpenAI's GPT-2 and HF.
 
@@ -60,11 +34,7 @@ class Conv1D(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, x.size(-1))  # (M, nx)
-        if prompt_on_cpu(x2):
-            out = long_side_first(self.weight.t(), x2, self.bias)
-        else:
-            out = torch.addmm(self.bias, x2, self.weight)
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
         return out.view(*x.shape[:-1], self.nf)
 
     def extra_repr(self) -> str:

@@ -305,3 +305,33 @@ def test_a_16_bit_prompt_widened_a_slice_at_a_time_equals_the_widened_product(ou
         got = layer.prefill(x)
     assert got.shape == (rows, out_features)
     assert max_diff(got, want.float()) < 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("conv", [True, False])
+@pytest.mark.parametrize("rows", [1, 15, 16, 128, 256, 257])
+def test_an_fp32_layer_computes_x_w_plus_b_whichever_way_round_a_prompt_takes(rows, conv):
+    """Prompts of PROMPT_ROWS rows on the CPU multiply the long side first; every row count gives
+    x W + b, for a Conv1D's (in, out) weight and an nn.Linear's (out, in) (c_attn's shape, 2 threads)."""
+    from gpt2attn.quantize import PROMPT_ROWS, Float32Linear, prompt_on_cpu
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(768, 2304) * 0.05 if conv else torch.randn(2304, 768) * 0.05)
+    bias = torch.nn.Parameter(torch.randn(2304))
+    layer = Float32Linear(weight, bias, conv)
+    x = torch.randn(rows, 768) * 4
+    w = weight.double() if conv else weight.double().t()
+    want = (x.double() @ w + bias.double()).float()
+    with num_threads(2), torch.no_grad():
+        got = layer.prefill(x)
+        assert prompt_on_cpu(x) == (PROMPT_ROWS[0] <= rows <= PROMPT_ROWS[1])
+    assert got.shape == (rows, 2304)
+    assert max_diff(got, want) < 1e-5 * float(want.abs().max())
+
+
+def test_a_prompt_with_gradients_takes_autograd_s_path():
+    from gpt2attn.quantize import prompt_on_cpu
+
+    x = torch.zeros(128, 8)
+    assert prompt_on_cpu(x) is False  # grad mode on: autograd's product, as training needs
+    with torch.no_grad():
+        assert prompt_on_cpu(x) is True

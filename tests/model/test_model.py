@@ -10,7 +10,7 @@ import torch
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, KVCache
 from gpt2attn.layers import ACTIVATIONS
-from tests.helpers import max_diff, num_threads, randomize, tiny_config
+from tests.helpers import max_diff, randomize, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -240,30 +240,3 @@ def test_torch_export_of_the_forward(model):
     exported = torch.export.export(model, (x,), {"use_cache": False})
     y = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))  # other values, same shape
     assert max_diff(exported.module()(y, use_cache=False).logits, model(y).logits) <= 1e-5
-
-
-@pytest.mark.parametrize("rows", [1, 15, 16, 128, 256, 257])
-def test_conv1d_computes_x_w_plus_b_whichever_way_round_a_prompt_takes(rows):
-    """Prompts of PROMPT_ROWS rows on the CPU multiply the long side first; every row count gives
-    x W + b (gpt2-small's c_attn shape, 2 threads)."""
-    from gpt2attn.layers import PROMPT_ROWS, Conv1D, prompt_on_cpu
-
-    torch.manual_seed(0)
-    layer = Conv1D(2304, 768)
-    torch.nn.init.normal_(layer.bias, std=1.0)
-    x = torch.randn(2, rows, 768) * 4
-    want = (x.double() @ layer.weight.double() + layer.bias.double()).float()
-    with num_threads(2), torch.no_grad():
-        got = layer(x)
-        assert prompt_on_cpu(x.reshape(-1, 768)) == (PROMPT_ROWS[0] <= 2 * rows <= PROMPT_ROWS[1])
-    assert got.shape == (2, rows, 2304)
-    assert max_diff(got, want) < 1e-4 * float(want.abs().max())
-
-
-def test_a_prompt_with_gradients_takes_autograd_s_path():
-    from gpt2attn.layers import prompt_on_cpu
-
-    x = torch.zeros(128, 8)
-    assert prompt_on_cpu(x) is False  # grad mode on: autograd's addmm, as training needs
-    with torch.no_grad():
-        assert prompt_on_cpu(x) is True
