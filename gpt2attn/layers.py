@@ -272,6 +272,14 @@ class Block(nn.Module):
         return x, weights, cross_weights
 
 
+def long_side_first(weight: Tensor, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """x (M, K) times weight (N, K)ᵀ plus bias -> (M, N), computed as (weight · xᵀ)ᵀ: a transposed
+    view of an (N, M) product (written into `out`, (N, M), when given)."""
+    if bias is None:
+        return torch.mm(weight, x.t(), out=out).t()
+    return torch.addmm(bias[:, None], weight, x.t(), out=out).t()
+
+
 class LMHead(nn.Linear):
     """The vocabulary projection, nn.Linear(n_embd, vocab_size, bias=False).
 
@@ -291,7 +299,7 @@ class LMHead(nn.Linear):
         step = min(4096, max(256, 2**18 // rows))  # a (step, N) slice is about 1 MB of floats
         for start in range(0, vocab, step):
             w = self.weight[start : start + step]  # (S, C)
-            out[:, start : start + w.size(0)] = torch.mm(w, h.t()).t()
+            out[:, start : start + w.size(0)] = long_side_first(w, h, None)
         return out.view(*x.shape[:-1], vocab)
 
 

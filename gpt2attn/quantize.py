@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from . import cpu
 from . import kernels as cpu_kernels
 from . import q4_k
-from .layers import Conv1D
+from .layers import Conv1D, long_side_first
 
 MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,14 +91,6 @@ def prompt_on_cpu(x: Tensor) -> bool:
         return False
     low, high = PROMPT_ROWS
     return low <= x.size(0) <= high and x.device.type == "cpu" and not torch.is_grad_enabled()
-
-
-def long_side_first(weight: Tensor, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """x (M, K) times weight (N, K)ᵀ plus bias -> (M, N), computed as (weight · xᵀ)ᵀ: a transposed
-    view of an (N, M) product (written into `out`, (N, M), when given)."""
-    if bias is None:
-        return torch.mm(weight, x.t(), out=out).t()
-    return torch.addmm(bias[:, None], weight, x.t(), out=out).t()
 
 
 class CpuLinear(nn.Module):
