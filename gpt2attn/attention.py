@@ -104,6 +104,12 @@ def padding_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 BUILT_IN = ("sdpa", "eager")  # gpt2attn's own backends; any other name is looked up in transformers' registry
 
 
+def is_registered(name: str | None) -> bool:
+    """Whether attn_implementation `name` asks for a registered function rather than gpt2attn's own
+    backends (None: not chosen yet, which means "sdpa")."""
+    return name is not None and name not in BUILT_IN
+
+
 def registered_attention(name: str) -> tuple[Callable, bool]:
     """The attention function transformers' AttentionInterface holds under `name`, and whether a mask
     function is registered for it too (transformers' AttentionMaskInterface).

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .attention import BUILT_IN, causal_mask
+from .attention import causal_mask, is_registered
 from .config import GPT2Config, is_int
 
 
@@ -31,7 +31,7 @@ def check_forward_kwargs(kwargs: dict[str, Any], attn_implementation: str | None
     function registered in transformers' AttentionInterface (its kernel may read any of them, as
     in transformers), none with gpt2attn's own "sdpa" and "eager", which refuse what they cannot
     honour, naming the keyword."""
-    if attn_implementation not in (None, *BUILT_IN):
+    if is_registered(attn_implementation):
         return kwargs
     for key in kwargs:
         if key in PACKED_KWARGS:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import BUILT_IN, causal_mask, padding_mask, registered_attention, scaled_dot_product_attention
+from .attention import causal_mask, is_registered, padding_mask, registered_attention, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config, check_config, inner_dim
 
@@ -164,7 +164,7 @@ class Attention(nn.Module):
         # what transformers gives it on the same backend: equal weights on every key with the
         # textbook formula ("eager"), nothing at all from PyTorch's fused kernel ("sdpa").
         additive = mask is not None and mask.is_floating_point()  # a caller's 4-D mask: as it is
-        if self.implementation not in BUILT_IN and not self.textbook:
+        if is_registered(self.implementation) and not self.textbook:
             function, takes_mask = registered_attention(self.implementation)
             if head_mask is not None:
                 raise ValueError(f"head_mask is not applied by the registered attention function "

@@ -18,7 +18,7 @@ from .generation.config import GenerationConfig, compile_options
 from .generation.mixin import GenerationMixin
 from .formats.hf import save_pretrained
 from .adapters import AdapterMixin
-from .attention import BUILT_IN, registered_attention
+from .attention import is_registered, registered_attention
 from .bridge import from_transformers, to_transformers
 from .layers import init_weights
 from .loader import from_pretrained
@@ -374,7 +374,7 @@ def checked_attn_implementation(name: str | None) -> str:
     and "eager" must be registered in transformers' AttentionInterface (gpt2attn.attention)."""
     if name is None:
         return "sdpa"
-    if name not in BUILT_IN:
+    if is_registered(name):
         registered_attention(name)  # raises, naming it, unless registered
     return name
 

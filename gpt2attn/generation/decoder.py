@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from ..attention import BUILT_IN
+from ..attention import is_registered
 from ..cache import KVCache
 from ..decode_step import DecodeStep
 from ..layers import MLP, Attention, Block, Conv1D, LMHead, no_tap
@@ -48,7 +48,7 @@ def unfused_reason(model: nn.Module, rows: int = 1, token_type_ids: Tensor | Non
         return f"activation_function {cfg.activation_function!r} (the step computes the tanh GELU)"
     if cfg.add_cross_attention:
         return "cross-attention"
-    if getattr(cfg, "_attn_implementation", None) not in (None, *BUILT_IN):
+    if is_registered(getattr(cfg, "_attn_implementation", None)):
         return f"attention runs the registered function {cfg._attn_implementation!r}"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return "a global forward hook"
