@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import warnings
 
 import torch
@@ -187,6 +188,19 @@ class PackedLinear(CpuLinear):
 
 
 WIDEN_ROWS = 512  # a 16-bit prompt's weight slice widened to fp32 at a time: 512 x 768 floats, 1.5 MB
+_scratch = threading.local()
+
+
+def widening_buffer(rows: int, cols: int) -> Tensor:
+    """A (rows, cols) fp32 buffer for widening a 16-bit weight slice, kept per thread and reused
+    (at most WIDEN_ROWS x the widest input, 6 MB at gpt2-small's shapes). A buffer allocated afresh
+    for every product had its pages faulted in each time: gpt2-small's fp16 prefill of 128 tokens
+    went from 750 to 785 tok/s with the buffer kept (2 threads, AMD EPYC Zen 4, 2026-11-27,
+    alternating runs in one process)."""
+    buffer = getattr(_scratch, "wide", None)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = _scratch.wide = torch.empty(rows * cols)
+    return buffer[: rows * cols].view(rows, cols)
 
 
 class HalfLinear(PackedLinear):
@@ -239,7 +253,7 @@ class HalfLinear(PackedLinear):
         # 2 threads, AMD EPYC Zen 4, 2026-11-27).
         N, K = self.weight16.shape
         out = x.new_empty(N, x.size(0))  # (N, M)
-        wide = x.new_empty(min(N, WIDEN_ROWS), K)
+        wide = widening_buffer(min(N, WIDEN_ROWS), K)
         for start in range(0, N, WIDEN_ROWS):
             rows = wide[: min(WIDEN_ROWS, N - start)].copy_(self.weight16[start : start + WIDEN_ROWS])
             bias = None if self.bias is None else self.bias[start : start + WIDEN_ROWS]

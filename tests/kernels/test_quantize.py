@@ -307,6 +307,33 @@ def test_a_16_bit_prompt_widened_a_slice_at_a_time_equals_the_widened_product(ou
     assert max_diff(got, want.float()) < 1e-5 * float(want.abs().max())
 
 
+def test_16_bit_prompts_on_two_python_threads_at_once_each_widen_into_their_own_buffer():
+    """The widening buffer is reused, one per thread: two threads prefilling layers of different
+    widths and weights at the same time each get their own product."""
+    import threading
+
+    from gpt2attn.quantize import HalfLinear
+
+    torch.manual_seed(0)
+    layers = [HalfLinear(torch.randn(n, 768) * 0.05, torch.randn(n), torch.float16) for n in (2304, 3072)]
+    x = torch.randn(64, 768)
+    wants = [x.double() @ layer.weight16.double().t() + layer.bias.double() for layer in layers]
+    errors = []
+
+    def run(layer, want):
+        with torch.no_grad():
+            for _ in range(20):
+                errors.append(max_diff(layer.prefill(x), want.float()) / float(want.abs().max()))
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(layers, wants)]
+    with num_threads(2):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(errors) == 40 and max(errors) < 1e-5
+
+
 @pytest.mark.parametrize("conv", [True, False])
 @pytest.mark.parametrize("rows", [1, 15, 16, 128, 256, 257])
 def test_an_fp32_layer_computes_x_w_plus_b_whichever_way_round_a_prompt_takes(rows, conv):
