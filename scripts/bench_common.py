@@ -151,13 +151,20 @@ def cpu_family(machine: dict) -> str:
 
 
 def code_version() -> str:
-    """The commit the bench ran on (with '-dirty' for uncommitted changes), or 'unknown' outside git."""
+    """The commit the bench ran on, with '-dirty' for uncommitted changes to anything but the
+    benchmarks' own result files (an earlier bench's fresh results are not a change to the code
+    measured); 'unknown' outside git."""
+    root = Path(__file__).resolve().parents[1]
     try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--", ".", f":(exclude){RESULTS_DIR.relative_to(root)}"], cwd=root,
+                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+    if head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if changed.returncode != 0 or changed.stdout.strip() else "")
 
 
 def read_runs(path: Path) -> list[dict]:
