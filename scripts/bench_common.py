@@ -158,7 +158,8 @@ def code_version() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10)
-        changed = subprocess.run(["git", "status", "--porcelain", "--", ".", f":(exclude){RESULTS_DIR.relative_to(root)}"], cwd=root,
+        outside_results = f":(exclude){RESULTS_DIR.relative_to(root)}"
+        changed = subprocess.run(["git", "status", "--porcelain", "--", ".", outside_results], cwd=root,
                                  capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"

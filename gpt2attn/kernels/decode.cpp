@@ -26,9 +26,9 @@
 // Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count).
 // A rows product hands its spans out in turn (schedule(dynamic)), so a thread the OS holds back on
 // a busy machine delays it by one span, not by its whole share: each row's sum is one thread's,
-// the same whichever thread takes it. A cols product gives each thread the same rows on every
-// run: its partial sums then hold the same rows on every run, so a step's
-// results do not change from run to run (taken in turn, they changed in the last bits).
+// the same whichever thread takes it. A cols product gives each thread the same share of rows on
+// every run, so its partial sums, and a step's results, do not change from run to run (with chunks
+// taken in turn, they changed in the last bits).
 //
 // gpt2attn_product runs one product in its own parallel region (the modules' path);
 // gpt2attn_decode_step runs every product of a step inside one region, no Python between layers:
@@ -242,9 +242,9 @@ struct Products {
         // this thread's rows of W, an equal share [k0, k1), read as QUARTERS far-apart runs in step
         const int64_t k0 = K / T * t + std::min<int64_t>(t, K % T), k1 = k0 + K / T + (t < K % T);
         const int64_t run = (k1 - k0) / QUARTERS;
+        const int64_t far = run * N;  // from a row of one run to the same row of the next
         for (int64_t i = 0; i < run; i++) {
-            const float* w0 = w + (k0 + i) * N;  // row k0 + i; the other quarters' rows run * N further each
-            const int64_t far = run * N;
+            const float* w0 = w + (k0 + i) * N;  // row k0 + i, and the rows far, 2 far and 3 far on
             for (int64_t b = 0; b < B; b++) {
                 const float* xb = x + b * K + k0 + i;
                 const __m256 x0 = _mm256_set1_ps(xb[0]), x1 = _mm256_set1_ps(xb[run]), x2 = _mm256_set1_ps(xb[2 * run]),
