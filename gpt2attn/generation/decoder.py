@@ -168,7 +168,10 @@ class Decoder:
         else:  # the last position's logits alone
             out = self.model.transformer(ids, **kwargs)
             h = out.last_hidden_state
-            logits = self.model.lm_head(h if all_positions else h[:, -1:])  # (N, k or 1, V)
+            if self.step is not None and not all_positions:  # the steps' own head product
+                logits = self.step.logits(h[:, -1].contiguous())[:, None]  # (N, 1, V)
+            else:
+                logits = self.model.lm_head(h if all_positions else h[:, -1:])  # (N, k or 1, V)
         for key in self.record:
             self.record[key].append(getattr(out, key))  # per layer: (N, nh, k, T_k) / (N, k, C)
         return (logits if all_positions else logits[:, -1]).float()  # (N, [k,] V)

@@ -264,7 +264,8 @@ def matrix(weight: Tensor, bias: Tensor | None, kind: int, scale: Tensor | None 
     return Matrix(_ptr(weight), _ptr(scale), _ptr(bias), K, N, kind)
 
 
-def _product(w: Matrix, x: Tensor) -> Tensor:
+def product(w: Matrix, x: Tensor) -> Tensor:
+    """x (B, K) fp32 times the Matrix w (whatever its kind) plus its bias -> (B, N) fp32."""
     x = x.contiguous()
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.size(1) == w.K, "x: (B, K) fp32 on the CPU"
     y = torch.empty(x.size(0), w.N, dtype=torch.float32)
@@ -279,7 +280,7 @@ def cols(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
         return cols_reference(x, w, bias)
     if w.dtype != torch.float32:
         raise TypeError(f"weight dtype {w.dtype}: the (K, N) kernel takes float32")
-    return _product(matrix(w, bias, COLS_F32), x)
+    return product(matrix(w, bias, COLS_F32), x)
 
 
 def cols_reference(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
@@ -293,7 +294,7 @@ def rows(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
         return rows_reference(x, w, bias)
     if w.dtype not in ROWS:
         raise TypeError(f"weight dtype {w.dtype}: the (N, K) kernels take float32, float16 or bfloat16")
-    return _product(matrix(w, bias, ROWS[w.dtype]), x)
+    return product(matrix(w, bias, ROWS[w.dtype]), x)
 
 
 def rows_reference(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
@@ -326,7 +327,7 @@ def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor
     if library() is None:
         return rows_q8_reference(x, w8, scale, bias)
     assert w8.dtype == torch.int8
-    return _product(matrix(w8, bias, ROWS_Q8, scale), x)
+    return product(matrix(w8, bias, ROWS_Q8, scale), x)
 
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -346,7 +347,7 @@ def rows_q4k(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     if library() is None:
         return rows_q4k_reference(x, blocks, bias)
     assert blocks.dtype == torch.uint8 and blocks.size(1) % q4_k.BYTES == 0
-    return _product(matrix(blocks, bias, ROWS_Q4K), x)
+    return product(matrix(blocks, bias, ROWS_Q4K), x)
 
 
 def rows_q4k_reference(x: Tensor, blocks: Tensor, bias: Tensor | None, rows: int = 8) -> Tensor:

@@ -196,6 +196,22 @@ def test_a_plain_model_decodes_in_one_call_at_transformers_parity_untouched(monk
 
 
 @needs_kernels
+def test_a_plain_model_s_first_token_comes_from_the_head_product_every_step_takes():
+    """generate's prompt pass takes its last logits from the step's own head product (the kernels'
+    rows product on wte, at gpt2-small's vocabulary of 50257), not torch's one-row product, so
+    every new token's logits come from one kernel."""
+    model = model_for("plain", vocab_size=50257)
+    prompt = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), num_threads(2):
+        out = model.generate(prompt, max_new_tokens=1, return_dict_in_generate=True, output_logits=True)
+        hidden = model.transformer(prompt).last_hidden_state[:, -1].contiguous()  # (1, C)
+        want = DecodeStep(model).logits(hidden)
+        torch_head = model.lm_head(hidden)
+    assert torch.equal(out.logits[0], want)
+    assert max_diff(want, torch_head) < 1e-5 and not torch.equal(want, torch_head)  # same logits, another sum order
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["plain", "int8"])
 def test_left_padded_prompts_take_the_step_and_keep_their_tokens(mode, monkeypatch):
     model = model_for(mode)
