@@ -13,8 +13,9 @@ one beside llama-bench) makes from the f32 file. In every round, for every preci
 round per file: plain and fp32 share the f32 figures) (a process of its own, `-p PREFILL -n NEW -t THREADS -r 2`, which exits
 before ours runs, so its spinning threads never meet torch's), then ours: greedy generate of NEW
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
-steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and a forward of
-each PREFILL length keeping the last position's logits (as generate's first step); then the read
+steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and generate's
+prompt pass for each PREFILL length (gpt2attn.generation.decoder.Decoder, as generate makes it: a
+fresh KV cache, the forward into it and the last position's logits); then the read
 rate: one pass over a buffer of the fp32 weights' size (bench_common.read_sum, each thread
 reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
@@ -40,6 +41,7 @@ import torch
 from bench_common import machine_line, read_sum, weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
+from gpt2attn.generation.decoder import Decoder
 from gpt2attn.formats import gguf
 
 # plain: the fp32 model as loaded, no quantize() call (generate's default path)
@@ -197,7 +199,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 t_one = best_of(lambda: model.generate(prompt, max_new_tokens=1, eos_token_id=None), 2)
                 results[(mode, "ours", "decode")].append((args.new - 1) / (t_all - t_one))
                 for length, ids in long.items():
-                    t = best_of(lambda: model.lm_head(model.transformer(ids).last_hidden_state[:, -1]), 2)
+                    t = best_of(lambda: Decoder(model, 1, ids.size(1) + 1, "cpu").forward(ids), 2)
                     results[(mode, "ours", f"prefill {length}")].append(length / t)
             for length in lengths:
                 x = torch.randn(length, cfg.n_embd)
@@ -214,8 +216,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
     print(f"read rate: {rate / 1e9:.1f} GB/s (median of {len(read_rates)}, "
           f"{min(read_rates) / 1e9:.1f}-{max(read_rates) / 1e9:.1f}), {args.threads} threads; one stream a thread: "
           f"{statistics.median(one_stream_rates) / 1e9:.1f} GB/s")
-    print(f"gpt2-small, batch 1, prompt {args.prompt}, {args.new} new tokens; prefill keeps the last position's "
-          f"logits; medians of {args.rounds} rounds [min-max]")
+    print(f"gpt2-small, batch 1, prompt {args.prompt}, {args.new} new tokens; prefill is generate's prompt pass "
+          f"(a fresh cache, the last position's logits); medians of {args.rounds} rounds [min-max]")
     rows, shown = [], []
     for mode in modes:
         for side, kind in (("ours", mode), ("llama.cpp", PAIRS[mode])):

@@ -40,8 +40,8 @@ ABOUT = {
     "decode": "CPU decoding at batch 1 of the plain fp32 model as loaded (no quantize() call) and in fp32, fp16, bf16, int8 and q4 (`model.quantize(mode)`) against llama.cpp's "
               "`llama-bench` on the same weights written as GGUF by gpt2attn (f32, f16, bf16, q8_0; q4 against "
               "q4_K_M, which `llama-quantize` makes from the f32 file), alternating "
-              "in every round, gpt2-small shapes, random weights, prompt 32, 64 new tokens; prefill at 128 and 512 "
-              "tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "
+              "in every round, gpt2-small shapes, random weights, prompt 32, 64 new tokens; prefill (generate's prompt pass) at "
+              "128 and 512 tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "
               "read per token / read rate (see [Fast CPU decoding](cpu-decoding.md)). Runs on other CPU families "
               "are older code (their commit is named): they show each family's ratios, not today's code's.",
     "step": "Where one batch-1 decode step of gpt2-small's shapes spends its time, per precision: reading "
