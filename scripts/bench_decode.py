@@ -41,8 +41,8 @@ import torch
 from bench_common import machine_line, read_sum, weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
-from gpt2attn.generation.decoder import Decoder
 from gpt2attn.formats import gguf
+from gpt2attn.generation.decoder import Decoder
 
 # plain: the fp32 model as loaded, no quantize() call (generate's default path)
 PAIRS = {"plain": "f32", "fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "q4": "q4_K_M"}
