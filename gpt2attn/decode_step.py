@@ -68,7 +68,7 @@ class DecodeStep:
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
-        """hidden (B, C) fp32, final states after ln_f -> logits (B, V) through the head's product
+        """hidden (B, C) fp32 (any strides), final states after ln_f -> logits (B, V) through the head's product
         that every step takes, so a prompt's last logits come from the same kernel as the steps'
         (the plain model's one row of gpt2-small: 5.1 ms, torch's one-row product 13.1 ms, 2 threads,
         AMD EPYC Zen 4, 2026-11-27)."""

@@ -169,7 +169,7 @@ class Decoder:
             out = self.model.transformer(ids, **kwargs)
             h = out.last_hidden_state
             if self.step is not None and not all_positions:  # the steps' own head product
-                logits = self.step.logits(h[:, -1].contiguous())[:, None]  # (N, 1, V)
+                logits = self.step.logits(h[:, -1])[:, None]  # (N, 1, V)
             else:
                 logits = self.model.lm_head(h if all_positions else h[:, -1:])  # (N, k or 1, V)
         for key in self.record:
