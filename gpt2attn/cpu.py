@@ -21,22 +21,26 @@ def _cpuinfo() -> list[str]:
         return []
 
 
-def flags() -> set[str]:
-    """The first processor's feature flags (x86's `flags`, ARM's `Features`), e.g. {'avx2', 'fma', ...}."""
+def _field(*keys: str) -> str | None:
+    """The value of the first line of /proc/cpuinfo (the first processor's) whose key is one of keys;
+    None where there is none."""
     for line in _cpuinfo():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+        if key.strip() in keys:
+            return value
+    return None
+
+
+def flags() -> set[str]:
+    """The first processor's feature flags (x86's `flags`, ARM's `Features`), e.g. {'avx2', 'fma', ...}."""
+    value = _field("flags", "Features")
+    return set() if value is None else set(value.split())
 
 
 def name() -> str:
     """The CPU's model name ('AMD EPYC 9R14 ...'); platform.processor() where /proc/cpuinfo has none."""
-    for line in _cpuinfo():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor()
+    value = _field("model name")
+    return platform.processor() if value is None else value.strip()
 
 
 def bf16_report() -> tuple[bool, str]:

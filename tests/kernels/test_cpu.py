@@ -1,0 +1,51 @@
+"""gpt2attn.cpu: what /proc/cpuinfo says of this CPU, read the way the kernels, quantize, training
+and the benchmarks ask it (on fake cpuinfo texts, so the test does not depend on this machine)."""
+
+import platform
+
+import pytest
+
+from gpt2attn import cpu
+
+X86 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu avx2 fma f16c avx512f avx512_bf16
+processor\t: 1
+model name\t: another name
+flags\t\t: fpu sse2
+"""
+ARM = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes crc32
+CPU implementer\t: 0x41
+"""
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch):
+    def use(text: str | None) -> None:
+        monkeypatch.setattr(cpu, "_cpuinfo", lambda: [] if text is None else text.splitlines())
+    return use
+
+
+def test_x86_flags_and_name_are_the_first_processor_s(cpuinfo):
+    cpuinfo(X86)
+    assert cpu.flags() == {"fpu", "avx2", "fma", "f16c", "avx512f", "avx512_bf16"}
+    assert cpu.name() == "AMD EPYC 9R14 96-Core Processor"
+    assert cpu.bf16_report()[0] is True
+
+
+def test_arm_features_are_its_flags_and_its_name_falls_back_to_the_platform(cpuinfo):
+    cpuinfo(ARM)
+    assert cpu.flags() == {"fp", "asimd", "evtstrm", "aes", "crc32"}
+    assert cpu.name() == platform.processor()
+    assert cpu.bf16_report()[0] is False
+
+
+def test_without_cpuinfo_there_are_no_flags(cpuinfo):
+    cpuinfo(None)
+    assert cpu.flags() == set()
+    assert cpu.name() == platform.processor()
+    native, sentence = cpu.bf16_report()
+    assert native is False and "neither amx_bf16 nor avx512_bf16" in sentence
