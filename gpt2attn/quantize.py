@@ -32,9 +32,10 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
     so does q4's;
-  - more rows (a prompt): fp32 and 16-bit weights widened to fp32 through MKL's matrix product,
-    except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16 product (see
-    HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
+  - more rows (a prompt): fp32 and 16-bit weights through the same kernels in register tiles
+    (16-bit weights widened in registers; without the kernels, torch's product on the weight
+    widened to fp32), except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16
+    product (see HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
     rows at a time), so the one int8 copy serves prompts and steps, and a prompt's results equal
     decoding's to fp32 rounding (an int8 layer whose input width is not a multiple of 32 takes
     torch's fp32 product on its dequantized weight instead); q4's Q4_K layers through the same
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 import warnings
 
 import torch
@@ -68,30 +68,11 @@ from torch import Tensor, nn
 from . import cpu
 from . import kernels as cpu_kernels
 from . import q4_k
-from .layers import Conv1D, long_side_first
+from .layers import Conv1D
 
 MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kernels
-
-
-# A prompt's products on the CPU. MKL multiplies x (M, K) by a weight (K, N) faster the other way
-# round, (weight (N, K) · xᵀ)ᵀ, for prompts of a dozen to a few hundred rows. Measured on gpt2-small,
-# 2 threads, AMD EPYC Zen 4, 2026-11-27: the 48 block products alone at 8 rows 4x slower, at 12-128
-# rows 1.2-1.6x faster; whole prefills (quantize("fp32")'s and "fp16"'s) 1.07-1.22x faster at 64
-# and 128 rows, even at 256, and 0.77-0.94x at 512, where the transposed outputs cost the later
-# layers more than the products gain. So between PROMPT_ROWS rows, bounds included. The plain
-# model's Conv1D keeps transformers' order (x W): its logits stay transformers' to the last bits.
-PROMPT_ROWS = (16, 256)
-
-
-def prompt_on_cpu(x: Tensor) -> bool:
-    """Whether x (M, K) is a prompt of PROMPT_ROWS rows on the CPU with no gradient to record. Never
-    while torch.compile / torch.export trace: a branch on the row count would fix it in the graph."""
-    if torch.compiler.is_compiling():
-        return False
-    low, high = PROMPT_ROWS
-    return low <= x.size(0) <= high and x.device.type == "cpu" and not torch.is_grad_enabled()
 
 
 class CpuLinear(nn.Module):
@@ -125,13 +106,16 @@ class CpuLinear(nn.Module):
 class Float32Linear(CpuLinear):
     """The layer's own fp32 parameters, shared (not copied): state_dict and ties stay as they were."""
 
-    prefill_kernel = "torch (MKL) fp32"
     decode_reference = "torch fp32"
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, conv: bool):
         super().__init__(*(weight.shape if conv else weight.shape[::-1]), conv)
         self.weight, self.bias = weight, bias
         self.decode_kernel = f"gpt2attn fp32 {'cols' if conv else 'rows'}"
+
+    @property
+    def prefill_kernel(self) -> str:
+        return f"{self.decode_kernel}, register tiles" if cpu_kernels.available() else "torch (MKL) fp32"
 
     def _decodes(self, x: Tensor) -> bool:  # with gradients wanted, only autograd's path will do
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
@@ -140,9 +124,9 @@ class Float32Linear(CpuLinear):
     def decode(self, x: Tensor) -> Tensor:  # the kernels read raw memory: no autograd to detach from
         return (cpu_kernels.cols if self.conv else cpu_kernels.rows)(x, self.weight, self.bias)
 
-    def prefill(self, x: Tensor) -> Tensor:
-        if prompt_on_cpu(x):
-            return long_side_first(self.weight.t() if self.conv else self.weight, x, self.bias)
+    def prefill(self, x: Tensor) -> Tensor:  # a prompt's rows: the same kernels, in register tiles
+        if self._decodes(x) and not torch.compiler.is_compiling():
+            return self.decode(x)
         if self.conv:
             return torch.addmm(self.bias, x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -187,30 +171,13 @@ class PackedLinear(CpuLinear):
         self._pack(weight.detach().float(), None if bias is None else bias.detach().float())
 
 
-WIDEN_ROWS = 512  # a 16-bit prompt's weight slice widened to fp32 at a time: 512 x 768 floats, 1.5 MB
-_scratch = threading.local()
-
-
-def widening_buffer(rows: int, cols: int) -> Tensor:
-    """A (rows, cols) fp32 buffer for widening a 16-bit weight slice, kept per thread and reused
-    (at most WIDEN_ROWS x the widest input, 6 MB at gpt2-small's shapes). A buffer allocated afresh
-    for every product had its pages faulted in each time: gpt2-small's fp16 prefill of 128 tokens
-    went from 750 to 785 tok/s with the buffer kept (2 threads, AMD EPYC Zen 4, 2026-11-27,
-    alternating runs in one process)."""
-    buffer = getattr(_scratch, "wide", None)
-    if buffer is None or buffer.numel() < rows * cols:
-        buffer = _scratch.wide = torch.empty(rows * cols)
-    return buffer[: rows * cols].view(rows, cols)
-
-
 class HalfLinear(PackedLinear):
     """The weight in 16 bits (fp16 or bf16) as (out, in) rows (a Conv1D's is transposed once), the
     layout of the head's kernel, which every 16-bit product then shares (the (in, out) layout
     measured no faster for 16-bit decoding); products accumulate in fp32.
 
-    A prompt (more than DECODE_ROWS rows) widens the weight to fp32 for torch's product (a slice of
-    WIDEN_ROWS rows at a time for a prompt of PROMPT_ROWS rows on the CPU), except
-    bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from gpt2attn.cpu.bf16_report(): AVX512-BF16
+    A prompt (more than DECODE_ROWS rows) takes the same kernel in register tiles (each weight
+    widened once for a tile of input rows), except bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from gpt2attn.cpu.bf16_report(): AVX512-BF16
     or AMX), where torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to
     bf16 and the output too (fp32 sums between): about twice as fast, measured, with logits about
     three times further from fp32's (see docs/cpu-decoding.md)."""
@@ -228,7 +195,7 @@ class HalfLinear(PackedLinear):
     def prefill_kernel(self) -> str:
         if self.native_bf16:
             return "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, fp32 sums"
-        return self.decode_reference
+        return f"{self.decode_kernel}, register tiles" if cpu_kernels.available() else self.decode_reference
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
@@ -246,19 +213,9 @@ class HalfLinear(PackedLinear):
         if self.native_bf16:
             y = F.linear(x.to(torch.bfloat16), self.weight16).float()
             return y if self.bias is None else y + self.bias
-        if not prompt_on_cpu(x):
-            return cpu_kernels.rows_reference(x, self.weight16, self.bias)
-        # Widened a slice of rows at a time into a buffer that stays in cache, so the whole fp32 weight
-        # is never written out and read back (gpt2-small's fp16 products at 128 rows: 309 -> 187 ms,
-        # 2 threads, AMD EPYC Zen 4, 2026-11-27).
-        N, K = self.weight16.shape
-        out = x.new_empty(N, x.size(0))  # (N, M)
-        wide = widening_buffer(min(N, WIDEN_ROWS), K)
-        for start in range(0, N, WIDEN_ROWS):
-            rows = wide[: min(WIDEN_ROWS, N - start)].copy_(self.weight16[start : start + WIDEN_ROWS])
-            bias = None if self.bias is None else self.bias[start : start + WIDEN_ROWS]
-            long_side_first(rows, x, bias, out=out[start : start + WIDEN_ROWS])
-        return out.t()  # (M, N)
+        if self._decodes(x) and not torch.compiler.is_compiling():
+            return self.decode(x)
+        return cpu_kernels.rows_reference(x, self.weight16, self.bias)
 
 
 class Int8Linear(PackedLinear):

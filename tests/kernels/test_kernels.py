@@ -38,6 +38,35 @@ def test_cols_and_rows_match_their_references(build, B, K, N):
         assert relative(kernels.rows(x, wt, None), kernels.rows_reference(x, wt, None)) < 1e-5
 
 
+# A prompt's products (more than DECODE_ROWS rows) take the register tiles: B's past the tiles' rows
+# (13 = 8 + 4 + 1), N's past a full panel or tile (37, 21, 19: and past a whole register), K's
+# past a whole register (100, 103) and past a block of k's (3072), gpt2-small's shapes.
+@pytest.mark.parametrize("B", [DECODE_ROWS + 1, 13, 128, 131])
+@pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21), (103, 19), (800, 50)] + GPT2_SMALL)
+def test_a_prompt_s_tiles_match_their_references(build, B, K, N):
+    x, w, bias = torch.randn(B, K, generator=G) * 4, torch.randn(K, N, generator=G), torch.randn(N, generator=G)
+    exact = x.double() @ w.double() + bias.double()
+    assert relative(kernels.cols(x, w, bias), exact) < 1e-5
+    assert relative(kernels.cols(x, w, None), exact - bias.double()) < 1e-5
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        wt = w.t().contiguous().to(dtype)  # (N, K)
+        exact = x.double() @ wt.double().t() + bias.double()
+        assert relative(kernels.rows(x, wt, bias), exact) < 1e-5, dtype
+        assert relative(kernels.rows(x, wt, None), exact - bias.double()) < 1e-5, dtype
+
+
+def test_a_prompt_s_tiles_give_the_same_sums_on_any_number_of_threads(build):
+    """Each output is one thread's sum, in one order: 1, 2 and 3 threads give the same bits."""
+    x, w = torch.randn(67, 768, generator=G), torch.randn(768, 2304, generator=G)
+    w16, bias = w.t().contiguous().half(), torch.randn(2304, generator=G)
+    results = []
+    for n in (1, 2, 3):
+        with num_threads(n):
+            results.append((kernels.cols(x, w, bias), kernels.rows(x, w16, bias)))
+    for cols, rows in results[1:]:
+        assert torch.equal(cols, results[0][0]) and torch.equal(rows, results[0][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_the_head_at_gpt2_small_shape(build, dtype):
     x, bias = torch.randn(3, 768, generator=G), torch.randn(VOCAB, generator=G)

@@ -214,12 +214,12 @@ def test_int8_decoding_loss_within_half_a_percent_of_fp32():
     assert abs(loss8 - loss32) / loss32 < 0.005, (loss8, loss32)
 
 
-WIDENED = "torch (MKL) fp32 on the widened weight"
+WIDENED = "torch (MKL) fp32 on the widened weight"  # without the kernels
 ONEDNN = "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, fp32 sums"
 
 
 @pytest.mark.parametrize("mode, dtype, cpu_flags, prefill", [
-    ("fp16", "float16", {"avx2", "avx512_bf16"}, WIDENED), ("bf16", "bfloat16", {"avx2"}, WIDENED),
+    ("fp16", "float16", {"avx2", "avx512_bf16"}, "tiles"), ("bf16", "bfloat16", {"avx2"}, "tiles"),
     ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, ONEDNN), ("bf16", "bfloat16", {"amx_bf16"}, ONEDNN)])
 def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeypatch):
     """A bf16 prompt takes the CPU's own bf16 products where it has them (the flags are this test's)."""
@@ -229,6 +229,8 @@ def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeyp
     monkeypatch.setattr(cpu, "flags", lambda: cpu_flags)
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=0).quantize(mode)
     decode = f"gpt2attn {dtype} rows" if K.available() else "plain torch"
+    if prefill == "tiles":  # the decoding kernel, in register tiles
+        prefill = f"gpt2attn {dtype} rows, register tiles" if K.available() else WIDENED
     assert model.transformer.h[0].attn.c_attn.kernel == f"decode: {decode}; prefill: {prefill}"
 
 
@@ -290,10 +292,10 @@ def test_a_half_layer_made_directly_takes_an_nn_linear_weight():
     assert relative_error(layer(x), x @ weight.half().float().t() + bias) < 1e-5
 
 
-@pytest.mark.parametrize("out_features, rows", [(50257, 128), (2304, 16), (2304, 256), (2304, 300)])
-def test_a_16_bit_prompt_widened_a_slice_at_a_time_equals_the_widened_product(out_features, rows):
-    """fp16 prompts widen WIDEN_ROWS weight rows at a time (GPT-2's vocabulary is no multiple of
-    it); each output column gets its own rows and bias, as the whole widened product gives them."""
+@pytest.mark.parametrize("out_features, rows", [(50257, 128), (2304, 9), (2304, 300)])
+def test_a_16_bit_prompt_equals_the_widened_product(out_features, rows):
+    """A prompt of a 16-bit layer (more than DECODE_ROWS rows; the head's vocabulary too): x times
+    the rounded weight plus the bias, whichever path it takes (the kernels or torch)."""
     from gpt2attn.quantize import HalfLinear
 
     torch.manual_seed(0)
@@ -302,14 +304,14 @@ def test_a_16_bit_prompt_widened_a_slice_at_a_time_equals_the_widened_product(ou
     x = torch.randn(rows, 768)
     want = x.double() @ layer.weight16.double().t() + bias.double()
     with num_threads(2), torch.no_grad():
-        got = layer.prefill(x)
+        got = layer(x)
     assert got.shape == (rows, out_features)
     assert max_diff(got, want.float()) < 1e-5 * float(want.abs().max())
 
 
-def test_16_bit_prompts_on_two_python_threads_at_once_each_widen_into_their_own_buffer():
-    """The widening buffer is reused, one per thread: two threads prefilling layers of different
-    widths and weights at the same time each get their own product."""
+def test_16_bit_prompts_on_two_python_threads_at_once_each_get_their_own_product():
+    """Two threads prefilling layers of different widths and weights at the same time each get
+    their own product (each kernel call has its own scratch space)."""
     import threading
 
     from gpt2attn.quantize import HalfLinear
@@ -323,7 +325,7 @@ def test_16_bit_prompts_on_two_python_threads_at_once_each_widen_into_their_own_
     def run(layer, want):
         with torch.no_grad():
             for _ in range(20):
-                errors.append(max_diff(layer.prefill(x), want.float()) / float(want.abs().max()))
+                errors.append(max_diff(layer(x), want.float()) / float(want.abs().max()))
 
     threads = [threading.Thread(target=run, args=pair) for pair in zip(layers, wants)]
     with num_threads(2):
@@ -335,30 +337,32 @@ def test_16_bit_prompts_on_two_python_threads_at_once_each_widen_into_their_own_
 
 
 @pytest.mark.parametrize("conv", [True, False])
-@pytest.mark.parametrize("rows", [1, 15, 16, 128, 256, 257])
-def test_an_fp32_layer_computes_x_w_plus_b_whichever_way_round_a_prompt_takes(rows, conv):
-    """Prompts of PROMPT_ROWS rows on the CPU multiply the long side first; every row count gives
-    x W + b, for a Conv1D's (in, out) weight and an nn.Linear's (out, in) (c_attn's shape, 2 threads)."""
-    from gpt2attn.quantize import PROMPT_ROWS, Float32Linear, prompt_on_cpu
+@pytest.mark.parametrize("rows", [1, 8, 9, 128, 257])
+def test_an_fp32_layer_computes_x_w_plus_b_for_any_number_of_rows(rows, conv):
+    """Up to DECODE_ROWS rows the decoding kernel, more in its register tiles (or torch without the
+    kernels): every row count gives x W + b, for a Conv1D's (in, out) weight and an nn.Linear's
+    (out, in) (c_attn's shape, 2 threads)."""
+    from gpt2attn.quantize import Float32Linear
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(768, 2304) * 0.05 if conv else torch.randn(2304, 768) * 0.05)
     bias = torch.nn.Parameter(torch.randn(2304))
     layer = Float32Linear(weight, bias, conv)
     x = torch.randn(rows, 768) * 4
-    w = weight.double() if conv else weight.double().t()
-    want = (x.double() @ w + bias.double()).float()
+    w = weight.detach().double() if conv else weight.detach().double().t()
+    want = (x.double() @ w + bias.detach().double()).float()
     with num_threads(2), torch.no_grad():
-        got = layer.prefill(x)
-        assert prompt_on_cpu(x) == (PROMPT_ROWS[0] <= rows <= PROMPT_ROWS[1])
+        got = layer(x)
     assert got.shape == (rows, 2304)
     assert max_diff(got, want) < 1e-5 * float(want.abs().max())
 
 
 def test_a_prompt_with_gradients_takes_autograd_s_path():
-    from gpt2attn.quantize import prompt_on_cpu
+    """With gradients wanted, an fp32 layer's prompt is torch's product, which autograd follows."""
+    from gpt2attn.quantize import Float32Linear
 
-    x = torch.zeros(128, 8)
-    assert prompt_on_cpu(x) is False  # grad mode on: autograd's product, as training needs
-    with torch.no_grad():
-        assert prompt_on_cpu(x) is True
+    weight, bias = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6))
+    layer = Float32Linear(weight, bias, conv=True)
+    x = torch.randn(128, 8)
+    layer(x).sum().backward()
+    assert torch.allclose(weight.grad, x.sum(0)[:, None].expand(8, 6)) and torch.equal(bias.grad, torch.full((6,), 128.0))
