@@ -8,6 +8,8 @@ Parameter names and shapes equal `transformers`' GPT-2, so state dicts load as t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any
 
@@ -15,9 +17,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels as cpu_kernels
 from .attention import causal_mask, is_registered, padding_mask, registered_attention, scaled_dot_product_attention
 from .cache import KVCache
 from .config import GPT2Config, check_config, inner_dim
+
+
+# The plain model's Conv1D multiplies as transformers does, addmm(b, x, W), so that its logits are
+# transformers' to the last bit, except within kernel_products(): generate's prompt pass on a model
+# whose steps run gpt2attn.kernels' products (generation.decoder) runs there, and Conv1D then takes
+# the kernels' product too (quantize("fp32")'s), which sums in another order (within fp32 rounding
+# of transformers', as the steps' own) and is faster: gpt2-small's prompt pass of 128 tokens
+# 1.2-1.3x (docs/cpu-decoding.md).
+_KERNEL_PRODUCTS = contextvars.ContextVar("gpt2attn_kernel_products", default=False)
+
+
+@contextlib.contextmanager
+def kernel_products():
+    """Within it, Conv1D computes fp32 inputs on the CPU without autograd through gpt2attn.kernels."""
+    token = _KERNEL_PRODUCTS.set(True)
+    try:
+        yield
+    finally:
+        _KERNEL_PRODUCTS.reset(token)
 
 
 class Conv1D(nn.Module):
@@ -34,7 +56,12 @@ class Conv1D(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        x2 = x.reshape(-1, x.size(-1))  # (N, nx)
+        kernel = not torch.compiler.is_compiling() and _KERNEL_PRODUCTS.get()  # (torch.compile traces no ContextVar)
+        if kernel and x2.device.type == "cpu" and x2.dtype == torch.float32 and not torch.is_grad_enabled():
+            out = cpu_kernels.cols(x2, self.weight, self.bias)  # (N, nf)
+        else:
+            out = torch.addmm(self.bias, x2, self.weight)
         return out.view(*x.shape[:-1], self.nf)
 
     def extra_repr(self) -> str:

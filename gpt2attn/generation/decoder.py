@@ -14,6 +14,8 @@ through the modules.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -21,7 +23,7 @@ from .. import kernels
 from ..attention import is_registered
 from ..cache import KVCache
 from ..decode_step import DecodeStep
-from ..layers import MLP, Attention, Block, Conv1D, LMHead, no_tap
+from ..layers import MLP, Attention, Block, Conv1D, LMHead, kernel_products, no_tap
 from ..quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear, Q4Linear
 
 TANH_GELU = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python_tanh")  # the GELU decode.cpp computes
@@ -166,7 +168,8 @@ class Decoder:
             out = (self.compiled if compiled else self.model)(input_ids=ids, **kwargs)  # by keyword, as transformers calls it
             logits = out.logits  # (N, k, V)
         else:  # the last position's logits alone
-            out = self.model.transformer(ids, **kwargs)
+            with kernel_products() if self.step is not None else contextlib.nullcontext():
+                out = self.model.transformer(ids, **kwargs)  # see layers.kernel_products
             h = out.last_hidden_state
             if self.step is not None and not all_positions:  # the steps' own head product
                 logits = self.step.logits(h[:, -1])[:, None]  # (N, 1, V)

@@ -18,7 +18,7 @@ from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.cache import KVCache
 from gpt2attn.decode_step import DecodeStep
 from gpt2attn.generation import decoder as D
-from gpt2attn.layers import no_tap
+from gpt2attn.layers import kernel_products, no_tap
 from gpt2attn.quantize import DECODE_ROWS
 from tests.helpers import hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
@@ -199,12 +199,14 @@ def test_a_plain_model_decodes_in_one_call_at_transformers_parity_untouched(monk
 def test_a_plain_model_s_first_token_comes_from_the_head_product_every_step_takes():
     """generate's prompt pass takes its last logits from the step's own head product (the kernels'
     rows product on wte, at gpt2-small's vocabulary of 50257), not torch's one-row product, so
-    every new token's logits come from one kernel."""
+    every new token's logits come from one kernel (the blocks' products of the prompt are the
+    kernels' too: layers.kernel_products)."""
     model = model_for("plain", vocab_size=50257)
     prompt = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), num_threads(2):
         out = model.generate(prompt, max_new_tokens=1, return_dict_in_generate=True, output_logits=True)
-        hidden = model.transformer(prompt).last_hidden_state[:, -1].contiguous()  # (1, C)
+        with kernel_products():
+            hidden = model.transformer(prompt).last_hidden_state[:, -1].contiguous()  # (1, C)
         want = DecodeStep(model).logits(hidden)
         torch_head = model.lm_head(hidden)
     assert torch.equal(out.logits[0], want)
