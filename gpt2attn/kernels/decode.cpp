@@ -1,4 +1,5 @@
-// CPU decoding for GPT-2: the weight products of a few rows, and a whole decoding step in one call.
+// CPU decoding for GPT-2: the weight products of a few rows (and of a prompt's), and a whole decoding
+// step in one call.
 //
 // A product is y (B, N) = x (B, K) · W + bias for a few rows B, every weight read once, on all
 // threads. W is a `Matrix` of one kind:
@@ -22,6 +23,8 @@
 //                            and x summed exactly in int32
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
+// A product of more rows than TILE_ROWS (a prompt) of COLS_F32 or a 16-bit or fp32 rows kind takes
+// register tiles instead (prompt_tiles), each weight loaded once for several rows of x.
 //
 // Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count).
 // A rows product hands its spans out in turn (schedule(dynamic)), so a thread the OS holds back on
