@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from .. import kernels
 from .processors import Processor, apply
 
 Stops = Callable[[Tensor], Tensor]  # sequences [M, L] -> bool [M]: does the last token end them?
@@ -30,7 +31,7 @@ def sample_search(dec, logits: Tensor, out: Tensor, cur: int, cfg, chain: list[P
         if cfg.do_sample:
             tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
         else:
-            tokens = scores.argmax(dim=-1)
+            tokens = kernels.argmax(scores)
         if cfg.eos_ids:  # a finished row gets pad; without eos it keeps its tokens, as in transformers
             tokens = tokens.masked_fill(~unfinished, pad)
         out[:, cur] = tokens

@@ -216,6 +216,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args, result in [
         ("gpt2attn_product", [ctypes.POINTER(Matrix), p, i64, p, i32], i32),
         ("gpt2attn_quantize_q8", [p, i64, i64, p, p], None),
+        ("gpt2attn_argmax", [p, i64, i64, p], i64),
         ("gpt2attn_decode_step", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32], i32),
     ]:
         getattr(lib, name).argtypes = args
@@ -299,6 +300,21 @@ def rows(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 
 def rows_reference(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x, w.float(), bias)
+
+
+def argmax(scores: Tensor) -> Tensor:
+    """scores (N, V).argmax(dim=-1) as torch gives it (the first of equal values; the first NaN in
+    a row that holds one), read eight values a step by the kernels where they run: generate's
+    greedy pick of every new token."""
+    lib = library()
+    if lib is None or scores.dim() != 2 or scores.dtype != torch.float32 or scores.device.type != "cpu" or not scores.size(1):
+        return scores.argmax(dim=-1)
+    x = scores.contiguous()
+    out = torch.empty(x.size(0), dtype=torch.int64)
+    if lib.gpt2attn_argmax(_ptr(x), x.size(0), x.size(1), _ptr(out)):
+        nan = out < 0
+        out[nan] = x[nan].argmax(dim=-1)
+    return out
 
 
 def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor]:

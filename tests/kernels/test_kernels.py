@@ -78,6 +78,21 @@ def test_the_head_at_gpt2_small_shape(build, dtype):
         assert relative(kernels.rows(x, w, bias), kernels.rows_reference(x, w, bias)) < 1e-5
 
 
+@pytest.mark.parametrize("V", [1, 13, VOCAB])
+def test_argmax_is_torch_s_with_ties_infinities_and_nans(build, V):
+    """generate's greedy pick: the first of equal largest values, and the first NaN in a row that
+    holds one, as torch's argmax, at GPT-2's vocabulary and at tails shorter than a register."""
+    scores = torch.randn(6, V, generator=G) * 30
+    scores[1] = scores[1].max()  # every value equal: the first
+    scores[2, V // 2 :] = scores[2].max() + 1  # ties from the middle on
+    scores[3] = -float("inf")
+    scores[4, V - 1] = float("inf")
+    scores[5, V // 3] = float("nan")
+    scores[5, V - 1] = float("nan")
+    assert torch.equal(kernels.argmax(scores), scores.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(scores[:, : V // 2 + 1].t().t()), scores[:, : V // 2 + 1].argmax(dim=-1))
+
+
 def test_quantize_q8_is_exactly_the_reference(build):
     x = torch.randn(5, 256, generator=G) * torch.logspace(-3, 2, 256)
     x[1, 32:64] = 0  # a block of zeros: scale 0, values 0
