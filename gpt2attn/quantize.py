@@ -77,7 +77,9 @@ DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kern
 
 class CpuLinear(nn.Module):
     """A Conv1D (`conv`, weight (in, out)) or nn.Linear (weight (out, in)) for CPU inference:
-    y = x W + b through `decode` for a few rows, `prefill` for many. Subclasses hold the weight."""
+    y = x W + b through `decode`, gpt2attn.kernels' product (a step's few rows and a prompt's, in
+    register tiles, alike), wherever `_decodes` says it takes x, else through `prefill` (torch's
+    product, which autograd and torch.compile follow). Subclasses hold the weight."""
 
     def __init__(self, in_features: int, out_features: int, conv: bool):
         super().__init__()
@@ -85,8 +87,8 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)  # (N, in)
-        few = x2.size(0) <= DECODE_ROWS and not torch.compiler.is_compiling()
-        y = self.decode(x2) if few and self._decodes(x2) else self.prefill(x2)  # (N, out)
+        kernel = not torch.compiler.is_compiling() and self._decodes(x2)
+        y = self.decode(x2) if kernel else self.prefill(x2)  # (N, out)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _decodes(self, x: Tensor) -> bool:
@@ -124,9 +126,7 @@ class Float32Linear(CpuLinear):
     def decode(self, x: Tensor) -> Tensor:  # the kernels read raw memory: no autograd to detach from
         return (cpu_kernels.cols if self.conv else cpu_kernels.rows)(x, self.weight, self.bias)
 
-    def prefill(self, x: Tensor) -> Tensor:  # a prompt's rows: the same kernels, in register tiles
-        if self._decodes(x) and not torch.compiler.is_compiling():
-            return self.decode(x)
+    def prefill(self, x: Tensor) -> Tensor:
         if self.conv:
             return torch.addmm(self.bias, x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -206,6 +206,9 @@ class HalfLinear(PackedLinear):
         w = self.weight16.float()
         return w.t() if self.conv else w
 
+    def _decodes(self, x: Tensor) -> bool:  # a prompt on a CPU that multiplies bf16 itself: prefill's oneDNN
+        return super()._decodes(x) and not (self.native_bf16 and x.size(0) > DECODE_ROWS)
+
     def decode(self, x: Tensor) -> Tensor:
         return cpu_kernels.rows(x, self.weight16, self.bias)
 
@@ -213,8 +216,6 @@ class HalfLinear(PackedLinear):
         if self.native_bf16:
             y = F.linear(x.to(torch.bfloat16), self.weight16).float()
             return y if self.bias is None else y + self.bias
-        if self._decodes(x) and not torch.compiler.is_compiling():
-            return self.decode(x)
         return cpu_kernels.rows_reference(x, self.weight16, self.bias)
 
 
@@ -264,8 +265,8 @@ class Int8Linear(PackedLinear):
     def decode(self, x: Tensor) -> Tensor:
         return cpu_kernels.rows_q8(x, self.weight8, self.scale, self.bias)
 
-    def prefill(self, x: Tensor) -> Tensor:  # the same kernel, a prompt's rows in tiles
-        if self._decodes(x):
+    def prefill(self, x: Tensor) -> Tensor:
+        if self._decodes(x):  # under torch.compile too: the input in blocks of 32 all the same
             return self.decode(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
@@ -296,11 +297,9 @@ class Q4Linear(PackedLinear):
         return cpu_kernels.rows_q4k(x, self.blocks, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
-        # The decoding product takes a prompt's rows too, reading each weight once for all of them
-        # (measured no slower than dequantizing the weight for MKL's fp32 product, and no fp32
-        # copy); torch.compile and other dtypes take the dequantized weight
-        if self._decodes(x) and not torch.compiler.is_compiling():
-            return self.decode(x)
+        # `decode` takes a prompt's rows too, reading each weight once for all of them (measured no
+        # slower than dequantizing the weight for MKL's fp32 product, and no fp32 copy);
+        # torch.compile and other dtypes come here, to the dequantized weight
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
