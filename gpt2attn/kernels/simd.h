@@ -390,8 +390,7 @@ constexpr int LANES = 16;
 constexpr int COLS_MT = 8, COLS_V = 3, ROWS_NT = 6, ROWS_MT = 4;  // 24 accumulators of 32 registers
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset1(float v) { return _mm512_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const float* p, bool) { return _mm512_loadu_ps(p); }
+inline Vec vload(const float* p, bool = false) { return _mm512_loadu_ps(p); }
 inline Vec vload(const uint16_t* p, bool bf16) { return load16(p, bf16); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -402,8 +401,7 @@ constexpr int LANES = 8;
 constexpr int COLS_MT = 6, COLS_V = 2, ROWS_NT = 3, ROWS_MT = 4;  // 12 accumulators of 16 registers
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset1(float v) { return _mm256_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const float* p, bool) { return _mm256_loadu_ps(p); }
+inline Vec vload(const float* p, bool = false) { return _mm256_loadu_ps(p); }
 inline Vec vload(const uint16_t* p, bool bf16) { return load8(p, bf16); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
