@@ -126,9 +126,9 @@ def pack(d: Tensor, dmin: Tensor, sc: Tensor, m: Tensor, q: Tensor) -> Tensor:
     return torch.cat([halves, scales, qs], dim=-1)
 
 
-def unpack(blocks: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Q4_K super-blocks (N, K/256 * 144) uint8 -> q (N, K) uint8 in 0..15, and each sub-block's
-    scale d * sc and min dmin * m (N, K/32) fp32: weight = scale * q - min."""
+def fields(blocks: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks (N, K/256 * 144) uint8 -> q (N, K) uint8 in 0..15; d and dmin (N, K/256)
+    fp32; the 6-bit sc and m (N, K/256, 8) uint8."""
     N = blocks.size(0)
     b = blocks.reshape(N, K // SUPER, BYTES)
     halves = b[..., :4].contiguous().view(torch.float16).float()  # (N, K/256, 2): d, dmin
@@ -137,9 +137,15 @@ def unpack(blocks: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
     m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], dim=-1)
     qs = b[..., 16:].reshape(N, K // SUPER, 4, 1, 32)
     q = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(N, K)
-    scale = (halves[..., 0:1] * sc.float()).reshape(N, -1)
-    offset = (halves[..., 1:2] * m.float()).reshape(N, -1)
-    return q, scale, offset
+    return q, halves[..., 0], halves[..., 1], sc, m
+
+
+def unpack(blocks: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks (N, K/256 * 144) uint8 -> q (N, K) uint8 in 0..15, and each sub-block's
+    scale d * sc and min dmin * m (N, K/32) fp32: weight = scale * q - min."""
+    q, d, dmin, sc, m = fields(blocks, K)
+    N = q.size(0)
+    return q, (d[..., None] * sc.float()).reshape(N, -1), (dmin[..., None] * m.float()).reshape(N, -1)
 
 
 def dequantize_rows(blocks: Tensor, K: int) -> Tensor:

@@ -3,11 +3,13 @@
     python scripts/decode_quality.py [--data TEXT] [--llama-quantize PATH]
     # default data: tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA
 
-The last 10% of the text, 8 blocks of 128 characters fed one character per forward through the
-KV cache (the path generate takes for its new tokens), batch 8. Per mode: the loss relative to
-the plain fp32 model's (its forward over whole blocks, no cache), the largest logit difference
-from that model's logits over its largest logit, and whether 64 greedy tokens after a
-16-character prompt equal the plain model's. Prints a Markdown table with the machine and date.
+The last 10% of the text, every whole block of 128 characters (871 of tinyshakespeare's), fed one
+character per forward through the KV cache (the path generate takes for its new tokens), batch 8.
+Per mode: the loss relative to the plain fp32 model's (its forward over whole blocks, no cache),
+with the standard error of that difference over the blocks (each block's mean difference taken as
+one sample: what tells two modes' losses apart); the largest logit difference from that model's
+logits over its largest logit; and whether 64 greedy tokens after a 16-character prompt equal the
+plain model's. Prints a Markdown table with the machine and date.
 
 With --llama-quantize (llama.cpp's binary), one more row: the model written as an f32 GGUF by
 gpt2attn, quantized to q4_K_M by llama.cpp, read back through gpt2attn's GGUF reader (its weights
@@ -32,6 +34,9 @@ from gpt2attn.quantize import MODES
 from gpt2attn.shipped import DEFAULT_MODEL_DIR
 from gpt2attn.tokenizer import load_tokenizer
 
+BATCH = 8  # blocks decoded side by side
+
+
 def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor:
     """Logits (B, T - 1, V) of blocks (B, T), one position per forward through the KV cache."""
     logits, past = [], None
@@ -51,14 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     text = read_text_file(args.data)
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     ids = torch.tensor(tok.encode(text[int(len(text) * 0.9) :]).ids)
-    blocks = ids[: 8 * 128].view(8, 128)
+    if ids.numel() < 2 * 128:
+        parser.error(f"{args.data}: its last 10% holds {ids.numel()} characters; the losses need two blocks of 128")
+    blocks = ids[: ids.numel() // 128 * 128].view(-1, 128)  # (n, 128)
     prompt = blocks[:1, :16]
 
     plain = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR).eval()
-    reference = plain(blocks[:, :-1]).logits  # (8, 127, V)
-    loss_ref = F.cross_entropy(reference.flatten(0, 1), blocks[:, 1:].flatten()).item()
+    reference = torch.cat([plain(b[:, :-1]).logits for b in blocks.split(BATCH)])  # (n, 127, V)
+    losses_ref = block_losses(reference, blocks)
+    loss_ref = losses_ref.mean().item()
     tokens_ref = plain.generate(prompt, max_new_tokens=64, eos_token_id=None)
     print(machine_line() + f"; {datetime.date.today().isoformat()}")
+    print(f"{blocks.size(0)} blocks of 128 characters")
     print(f"| mode | loss vs fp32 ({loss_ref:.5f}) | largest logit difference / largest logit | 64 greedy tokens = fp32's |")
     print("|---|---|---|---|")
     rows = [(mode, lambda mode=mode: GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL_DIR, quantize=mode))
@@ -68,13 +77,21 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("llama.cpp q4_K_M (read as fp32)", lambda: llama_q4_k_m(plain, args.llama_quantize, Path(tmp.name))))
     for name, load in rows:
         model = load().eval()
-        logits = decoded_logits(model, blocks)
-        loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten()).item()
+        logits = torch.cat([decoded_logits(model, b) for b in blocks.split(BATCH)])
+        gaps = block_losses(logits, blocks) - losses_ref  # (n,)
+        error = gaps.std().item() / gaps.numel() ** 0.5
         diff = ((logits - reference).abs().max() / reference.abs().max()).item()
         same = torch.equal(model.generate(prompt, max_new_tokens=64, eos_token_id=None), tokens_ref)
-        print(f"| {name} | {100 * (loss - loss_ref) / loss_ref:+.3f}% | {diff:.1e} | {'yes' if same else 'no'} |")
+        gap = round(100 * gaps.mean().item() / loss_ref, 3) + 0.0  # + 0.0: no "-0.000"
+        print(f"| {name} | {gap:+.3f}% ± {100 * error / loss_ref:.3f}% | {diff:.1e} "
+              f"| {'yes' if same else 'no'} |")
     tmp.cleanup()
     return 0
+
+
+def block_losses(logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's mean next-character loss (n,) from its logits (n, 127, V)."""
+    return F.cross_entropy(logits.transpose(1, 2), blocks[:, 1:], reduction="none").mean(dim=1)
 
 
 def llama_q4_k_m(plain: GPT2LMHeadModel, llama_quantize: str, folder: Path) -> GPT2LMHeadModel:

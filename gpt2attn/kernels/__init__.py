@@ -11,11 +11,11 @@ threads, and accumulate in fp32:
                                 in blocks of 32 (quantize_q8); any B: a prompt's rows
                                 too, a tile of them at a time (compute-bound then)      -> (B, N)
     rows_q4k(x, blocks, bias)   blocks (N, K/256 * 144) uint8, llama.cpp's Q4_K (gpt2attn.q4_k);
-                                x quantized as for rows_q8                              -> (B, N)
+                                x quantized per 256 as llama.cpp's Q8_K                 -> (B, N)
     decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
 
 Each product has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the
-order of the additions differs; quantize_q8 is exact), which runs when the kernels cannot.
+order of the additions differs; the quantization of x is exact), which runs when the kernels cannot.
 
 The kernels are C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
 VL, DQ and VNNI) they are built with those too, and the rows products then take 16 floats or 64
@@ -359,26 +359,37 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
 
 def rows_q4k(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     """x (B, K) fp32 times the Q4_K rows blocks (N, K/256 * 144) uint8 (gpt2attn.q4_k), transposed,
-    plus bias -> (B, N) fp32, with x quantized as quantize_q8 does first."""
+    plus bias -> (B, N) fp32, with x quantized as quantize_q8k_reference does first."""
     if library() is None:
         return rows_q4k_reference(x, blocks, bias)
     assert blocks.dtype == torch.uint8 and blocks.size(1) % q4_k.BYTES == 0
     return product(matrix(blocks, bias, ROWS_Q4K), x)
 
 
+def quantize_q8k_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (B, K), K a multiple of 256 -> int8 values (B, K) and fp32 scales (B, K/256), as llama.cpp's
+    Q8_K (the input of its Q4_K products): each super-block of 256 values scaled by its largest
+    magnitude / 127 and rounded half to even."""
+    blocks = x.reshape(x.size(0), -1, q4_k.SUPER)  # (B, K/256, 256)
+    scale = blocks.abs().amax(dim=-1) / 127  # (B, K/256)
+    q = torch.round(blocks / torch.where(scale == 0, 1.0, scale)[..., None])
+    return q.to(torch.int8).view(x.shape), scale
+
+
 def rows_q4k_reference(x: Tensor, blocks: Tensor, bias: Tensor | None, rows: int = 8) -> Tensor:
     K = x.size(1)
-    q, scale, offset = q4_k.unpack(blocks, K)  # (N, K) levels; (N, K/32) scales and mins
+    q, d, dmin, sc, m = q4_k.fields(blocks, K)  # (N, K); (N, K/256) twice; (N, K/256, 8) twice
     N = q.size(0)
-    levels = q.view(N, -1, BLOCK).float()  # (N, K/32, 32)
+    levels = q.view(N, K // q4_k.SUPER, 8, BLOCK).float()  # (N, K/256, 8, 32)
     out = []
-    for chunk in x.split(rows):  # `rows` rows at a time: the (rows, N, K/32) sums stay small
-        xq, xs = quantize_q8_reference(chunk)
-        xb = xq.view(chunk.size(0), -1, BLOCK).float()  # (B, K/32, 32)
-        # each sub-block's 32 products summed exactly (integers below 2^24 in fp32), then scaled;
-        # the mins take each block's sum of x: sum x (scale q - min) = scale (x . q) - min (sum x)
-        sums = torch.einsum("bjk,njk->bnj", xb, levels)  # (B, N, K/32)
-        out.append((sums * xs[:, None, :] * scale).sum(-1) - ((xb.sum(-1) * xs)[:, None, :] * offset).sum(-1))
+    for chunk in x.split(rows):  # `rows` rows at a time: the (rows, N, K/256, 8) sums stay small
+        xq, xd = quantize_q8k_reference(chunk)
+        xb = xq.view(chunk.size(0), K // q4_k.SUPER, 8, BLOCK).float()  # (B, K/256, 8, 32)
+        # per super-block, sum over sub-blocks s of sc[s] (x . q over s) and of m[s] (sum of x over
+        # s): integers below 2^24, so exact in fp32; then d and dmin, and x's scale
+        dots = (torch.einsum("bjsk,njsk->bnjs", xb, levels) * sc.float()).sum(-1)  # (B, N, K/256)
+        mins = (xb.sum(-1)[:, None] * m.float()).sum(-1)  # (B, N, K/256)
+        out.append((xd[:, None, :] * (d * dots - dmin * mins)).sum(-1))
     y = torch.cat(out)  # (B, N)
     return y if bias is None else y + bias
 

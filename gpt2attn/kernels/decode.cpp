@@ -18,9 +18,11 @@
 //                            model's one copy serves prompts too) are taken in tiles of Q8_ROWS
 //                            rows, in chunks of x that stay in the core's cache
 //   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes, simd.h),
-//                            K a multiple of 256; x quantized as for ROWS_Q8 (by each thread for
-//                            itself, whatever the rows), each sub-block's 32 products of nibbles
-//                            and x summed exactly in int32
+//                            K a multiple of 256; x quantized as llama.cpp's Q8_K (one scale per
+//                            256, by each thread for itself, whatever the rows); a super-block's
+//                            products of nibbles and x, times the sub-blocks' 6-bit scales, and
+//                            its mins times x's sums, summed exactly in int32: two float
+//                            multiply-adds per super-block
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
 // A product of more rows than TILE_ROWS (a prompt) of COLS_F32 or a 16-bit or fp32 rows kind takes
@@ -86,7 +88,7 @@ struct Model {
 
 namespace {
 
-using gpt2attn::dot4, gpt2attn::dot4_q4k, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::Q8_ROWS,
+using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::Q8_ROWS,
     gpt2attn::widen;
 
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
@@ -209,16 +211,14 @@ struct Products {
     std::vector<int8_t> xq;      // (copies, B, max_k): x quantized for ROWS_Q8, a copy per thread for few rows
     std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
-    std::vector<float> xsums;    // (threads, B, max_k / 32): for ROWS_Q4K, each block's scale times its sum
-    std::vector<float> xorder;   // (threads, B, max_k): for ROWS_Q4K, x's blocks in the order its kernel reads them
+    std::vector<int16_t> bsums;  // (threads, B, max_k / 32): for ROWS_Q4K, each block's sum of xq (xs: one scale per 256)
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K; q4k:
     // whether a ROWS_Q4K matrix may come (its scratch space is then made too)
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k, bool q4k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
           partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
-          sums(nthreads * rows * max_span), xsums(q4k ? nthreads * rows * (k / 32) : 0),
-          xorder(q4k ? nthreads * rows * k : 0) {}
+          sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0) {}
 
     // copies of x quantized: one a thread for a few rows (and always for ROWS_Q4K, whose threads each
     // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
@@ -360,37 +360,21 @@ struct Products {
     }
 
     void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, nb = K / 32, row_bytes = K / 256 * gpt2attn::Q4K_BYTES;
-        int8_t* xq_mine = xq.data() + omp_get_thread_num() * B * max_k;  // each thread its own, as rows_q8
-        float* xs_mine = xs.data() + omp_get_thread_num() * B * (max_k / 32);
-        float* xsum_mine = xsums.data() + omp_get_thread_num() * B * (max_k / 32);
-        float* x_mine = xorder.data() + omp_get_thread_num() * B * max_k;
-        gpt2attn::q4k_order(x, B * K / 256, x_mine);
-        gpt2attn::quantize_q8(x_mine, B * nb, xq_mine, xs_mine);
-        gpt2attn::block_sums_q8(xq_mine, xs_mine, B * nb, xsum_mine);
+        const int64_t K = W.K, row_bytes = K / 256 * gpt2attn::Q4K_BYTES;
+        const int t = omp_get_thread_num();  // each thread quantizes x for itself, as rows_q8 for a few rows
+        int8_t* xq_mine = xq.data() + t * B * max_k;
+        float* d_mine = xs.data() + t * B * (max_k / 32);
+        int16_t* bsums_mine = bsums.data() + t * B * (max_k / 32);
+        gpt2attn::quantize_q8k(x, B * K / 256, xq_mine, d_mine, bsums_mine);
         const uint8_t* w = (const uint8_t*)W.weight;
-        float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
-        float* out = xorder.data() + omp_get_thread_num() * B * max_k;  // (B, 4): x_mine is read no more
+        float* mine = sums.data() + t * B * max_span;  // (B, n)
         for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
-            for (int64_t i = 0; i < q; i++) {
-                dot4_q4k(xq_mine, xs_mine, xsum_mine, B, K, w + (r0 + i) * row_bytes, q * row_bytes, out);
-                for (int64_t b = 0; b < B; b++)
-                    for (int j = 0; j < 4; j++) mine[b * n + i + j * q] = out[4 * b + j];
-            }
+            for (int64_t i = 0; i < q; i++)  // rows i, i + q, i + 2q, i + 3q of the span
+                gpt2attn::dot_q4k<4>(xq_mine, d_mine, bsums_mine, B, K, w + (r0 + i) * row_bytes, q * row_bytes,
+                                     mine + i, n, q);
             for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
-                for (int64_t b = 0; b < B; b++) {
-                    gpt2attn::Q4KAcc acc{};
-                    __m256 mins = _mm256_setzero_ps();
-                    for (int64_t j = 0; j < K / 256; j++) {
-                        const uint8_t* block = w + r * row_bytes + j * gpt2attn::Q4K_BYTES;
-                        __m256 scale, min;
-                        gpt2attn::q4k_scales(block, scale, min);
-                        gpt2attn::q4k_accumulate(gpt2attn::q4k_levels(block), scale, min, xq_mine + b * K + 256 * j,
-                                                 xs_mine + b * nb + 8 * j, xsum_mine + b * nb + 8 * j, acc, mins);
-                    }
-                    mine[b * n + r - r0] = gpt2attn::q4k_sum(acc) - hsum(mins);
-                }
+                gpt2attn::dot_q4k<1>(xq_mine, d_mine, bsums_mine, B, K, w + r * row_bytes, 0, mine + r - r0, n, 0);
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
         });  // implicit barrier

@@ -50,27 +50,41 @@ inline __m512 load16(const uint16_t* p, bool bf16) {
 }
 #endif
 
+// The largest |x| of n floats (n a multiple of 8)
+inline float abs_max(const float* p, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+
+// 32 floats p -> q = round-half-even(p / scale) (0s for a zero scale: the block is all zeros);
+// returns the sum of the 32 q
+inline int32_t round32(const float* p, float scale, int8_t* q) {
+    const __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
+    __m256i lanes[4];
+    for (int i = 0; i < 4; i++)
+        lanes[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
+    v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // packs interleave lanes
+    _mm256_storeu_si256((__m256i*)q, v);
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(lanes[0]), _mm256_extracti128_si256(lanes[0], 1));
+    for (int i = 1; i < 4; i++)
+        sum = _mm_add_epi32(sum, _mm_add_epi32(_mm256_castsi256_si128(lanes[i]), _mm256_extracti128_si256(lanes[i], 1)));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
 // n_blocks blocks of 32 floats x -> q (32 int8 each) and scales (one each): scale = max|x| / 127,
 // q = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
 inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scales) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t j = 0; j < n_blocks; j++) {
-        const float* p = x + j * 32;
-        __m256 top = _mm256_setzero_ps();
-        for (int i = 0; i < 32; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        const float scale = _mm_cvtss_f32(h) / 127.0f;
-        scales[j] = scale;
-        const __m256 d = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
-        __m256i lanes[4];
-        for (int i = 0; i < 4; i++)
-            lanes[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p + 8 * i), d),
-                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
-        v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // packs interleave lanes
-        _mm256_storeu_si256((__m256i*)(q + j * 32), v);
+        scales[j] = abs_max(x + 32 * j, 32) / 127.0f;
+        round32(x + 32 * j, scales[j], q + 32 * j);
     }
 }
 
@@ -215,159 +229,167 @@ inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t
 // high). Weight i of sub-block s is (d sc[s]) q[i] - (dmin m[s]).
 constexpr int64_t Q4K_BYTES = 144;
 
-// xsum[j] = xs[j] * (the sum of block j's 32 values of xq), for n_blocks blocks: what a row's
-// mins take from x (sum over a sub-block of x * min = min * xsum)
-inline void block_sums_q8(const int8_t* xq, const float* xs, int64_t n_blocks, float* xsum) {
-    for (int64_t j = 0; j < n_blocks; j++) {
-        int32_t s = 0;
-        for (int i = 0; i < 32; i++) s += xq[32 * j + i];
-        xsum[j] = xs[j] * (float)s;
-    }
-}
-
-// The order in which q4k_accumulate reads the eight sub-blocks of x (and their scales): on AVX-512,
-// 64 bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3
-// (5 and 7), so x's blocks are laid out in that order first (q4k_order); on AVX2, as they are.
+// The order in which the kernel reads the eight sub-blocks of x (and their sums): on AVX-512, 64
+// bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3 (5
+// and 7), so x's blocks are laid out in that order (quantize_q8k); on AVX2, as they are.
 #ifdef GPT2ATTN_AVX512
 constexpr int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 #else
 constexpr int Q4K_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 
-// x (n_super x 256 floats) -> out, each super-block's eight blocks of 32 in Q4K_ORDER
-inline void q4k_order(const float* x, int64_t n_super, float* out) {
-    for (int64_t j = 0; j < n_super; j++)
-        for (int s = 0; s < 8; s++) memcpy(out + 256 * j + 32 * s, x + 256 * j + 32 * Q4K_ORDER[s], 32 * sizeof(float));
+// x for Q4_K rows as llama.cpp's Q8_K: n_super super-blocks of 256 floats -> q (256 int8 each,
+// its blocks of 32 in Q4K_ORDER), d (one scale each: max|x| / 127, q = round-half-even(x / d))
+// and bsums (each block's sum of q, in that order too: what the mins take from x)
+inline void quantize_q8k(const float* x, int64_t n_super, int8_t* q, float* d, int16_t* bsums) {
+    for (int64_t j = 0; j < n_super; j++) {
+        d[j] = abs_max(x + 256 * j, 256) / 127.0f;
+        for (int s = 0; s < 8; s++)
+            bsums[8 * j + s] = (int16_t)round32(x + 256 * j + 32 * Q4K_ORDER[s], d[j], q + 256 * j + 32 * s);
+    }
 }
 
-// A super-block's scales without x: scale[s] = d sc[s] and min[s] = dmin m[s] for its eight
-// sub-blocks s, in Q4K_ORDER. The 6-bit sc and m are unpacked in one vector from the twelve bytes
-// u0, u1, u2 (as 32-bit words) after d and dmin: sc 0-3 are u0's low 6 bits, sc 4-7 u2's low
-// nibbles with u0's top 2 bits above them; the mins the same from u1 and u2's high nibbles.
-inline void q4k_scales(const uint8_t* block, __m256& scale, __m256& min) {
+// The 6-bit sc and m of a super-block as 16 bytes: sc in bytes 0-7 and m in 8-15, each in
+// Q4K_ORDER. They are unpacked in one vector from the twelve bytes u0, u1, u2 (as 32-bit words)
+// after d and dmin: sc 0-3 are u0's low 6 bits, sc 4-7 u2's low nibbles with u0's top 2 bits
+// above them; the mins the same from u1 and u2's high nibbles.
+inline __m128i q4k_scale_bytes(const uint8_t* block) {
     const __m128i raw = _mm_loadu_si128((const __m128i*)block);                  // d and dmin, u0, u1, u2
     const __m128i own = _mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 2, 1, 1));         // u0 u0 u1 u1
     const __m128i nibbles = _mm_shuffle_epi32(raw, _MM_SHUFFLE(3, 3, 3, 3));     // u2 u2 u2 u2
-    __m128i bytes = _mm_or_si128(  // sc 0-3, sc 4-7, m 0-3, m 4-7
+    const __m128i bytes = _mm_or_si128(  // sc 0-3, sc 4-7, m 0-3, m 4-7
         _mm_and_si128(_mm_srlv_epi32(own, _mm_setr_epi32(0, 2, 0, 2)),
                       _mm_setr_epi32(0x3f3f3f3f, 0x30303030, 0x3f3f3f3f, 0x30303030)),
         _mm_and_si128(_mm_srlv_epi32(nibbles, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f)));
 #ifdef GPT2ATTN_AVX512
-    bytes = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));  // Q4K_ORDER
+    return _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));  // Q4K_ORDER
+#else
+    return bytes;
 #endif
-    const __m128 d_dmin = _mm_cvtph_ps(raw);  // d, dmin, (two halves of u0)
-    scale = _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-    min = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes))));
 }
 
-// A super-block's 256 levels unpacked to bytes (q4k_levels), and its products with x's 256 values
-// there (q4k_accumulate: xq, its blocks in Q4K_ORDER, with the block scales xs (8) and sums xsum
-// (8) in that order too): acc += sum over sub-blocks s of scale[s] xs[s] (xq . levels), and
-// mins += min[s] xsum[s] (subtracted at the end). On AVX-512 each 64 bytes of levels give two
-// VNNI vpdpbusd (u8 levels times s8 x), of the low nibbles and of the high, each's lanes 0-7
-// summing one sub-block and 8-15 another; on AVX2 maddubs per 32.
+// What a super-block's products with x need from it, unpacked once for every row of x: its levels
+// as bytes, its scales sc as int16 lanes beside the levels they scale, its mins m as eight int16,
+// d and dmin. With x's 256 values there as int8 xq (Q4K_ORDER), d_x and bsums, the product is
+//     d_x (d sum_s sc[s] (xq . q over sub-block s) - dmin sum_s m[s] bsums[s])
+// with both sums exact in int32 and one float multiply-add for each; q4k_accumulate adds the
+// first to acc and subtracts the second from it. The levels are u8 and x s8 (maddubs: pairs in
+// int16, which 15 x 127 x 2 cannot overflow); then the scales multiply the pairs and sum them into
+// int32 lanes: on AVX-512 one VNNI vpdpwssd per 64 bytes, each's lanes 0-7 in one sub-block and
+// 8-15 in another; on AVX2 madd and add per 32.
+struct Q4KBlock {
 #ifdef GPT2ATTN_AVX512
-using Q4KAcc = __m512;
-struct Q4KLevels {
-    __m512i v[4];  // the low nibbles of bytes 0-63, their high nibbles, the same of bytes 64-127
+    __m512i levels[4];  // the low nibbles of bytes 0-63, their high nibbles, the same of bytes 64-127
+    __m512i scales[4];  // for each: sc of its first sub-block in int16 lanes 0-15, its second in 16-31
+#else
+    __m256i levels[8];  // sub-block s: the low nibbles of chunk s / 2's 32 bytes (s even), or their high
+    __m256i scales;     // sc 0-7 as int16, in both halves
+#endif
+    __m128i mins;       // m 0-7 as int16
+    float d, dmin;
 };
-inline Q4KLevels q4k_levels(const uint8_t* block) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    Q4KLevels q;
+
+// int16 lane i of each 128 bits of v (eight int16) into every int16 lane of those 128 bits: the
+// bytes 2i, 2i + 1 picked over and over
+constexpr int32_t pick16(int i) { return (2 * i) | (2 * i + 1) << 8 | (2 * i) << 16 | (2 * i + 1) << 24; }
+
+inline Q4KBlock q4k_block(const uint8_t* block) {
+    Q4KBlock u;
+    const __m128i bytes = q4k_scale_bytes(block);
+    const __m128i sc = _mm_cvtepu8_epi16(bytes);
+    u.mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(bytes, bytes));
+    const __m128 d_dmin = _mm_cvtph_ps(_mm_loadu_si128((const __m128i*)block));
+    u.d = _mm_cvtss_f32(d_dmin), u.dmin = _mm_cvtss_f32(_mm_movehdup_ps(d_dmin));
+#ifdef GPT2ATTN_AVX512
+    const __m512i low4 = _mm512_set1_epi8(0x0F), wide = _mm512_broadcast_i32x4(sc);
     for (int h = 0; h < 2; h++) {
         const __m512i raw = _mm512_loadu_si512(block + 16 + 64 * h);
-        q.v[2 * h] = _mm512_and_si512(raw, low4), q.v[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        u.levels[2 * h] = _mm512_and_si512(raw, low4), u.levels[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
     }
-    return q;
+    for (int k = 0; k < 4; k++)  // levels[k] holds the sub-blocks at 2k and 2k + 1 of Q4K_ORDER
+        u.scales[k] = _mm512_shuffle_epi8(wide, _mm512_set_epi32(pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k + 1),
+                                                                 pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k + 1),
+                                                                 pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k),
+                                                                 pick16(2 * k), pick16(2 * k), pick16(2 * k), pick16(2 * k),
+                                                                 pick16(2 * k), pick16(2 * k), pick16(2 * k)));
+#else
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(block + 16 + 32 * c));
+        u.levels[2 * c] = _mm256_and_si256(raw, low4), u.levels[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    }
+    u.scales = _mm256_broadcastsi128_si256(sc);
+#endif
+    return u;
 }
-inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
-                           const float* xsum, __m512& acc, __m256& mins) {
-    const __m512 scale16 = _mm512_castps256_ps512(_mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
-    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
-    const __m512i zero = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {  // levels 0-127, then 128-255: sub-blocks 4h .. 4h + 3
-        const __m512i dot_low = _mm512_dpbusd_epi32(zero, q.v[2 * h], _mm512_loadu_si512(xq + 128 * h));
-        const __m512i dot_high = _mm512_dpbusd_epi32(zero, q.v[2 * h + 1], _mm512_loadu_si512(xq + 128 * h + 64));
-        const int s = 4 * h;  // in Q4K_ORDER: the low nibbles' sub-blocks at s, s + 1, the high ones' at s + 2, s + 3
-        const __m512i low_which = _mm512_set_epi32(s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1, s, s, s, s, s, s, s, s);
-        const __m512i high_which = _mm512_add_epi32(low_which, _mm512_set1_epi32(2));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low), _mm512_permutexvar_ps(low_which, scale16), acc);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high), _mm512_permutexvar_ps(high_which, scale16), acc);
-    }
+
+// acc += the super-block's product with x's (xq, its 256 values; d_x; bsums, its 8 sums), spread
+// over acc's lanes
+#ifdef GPT2ATTN_AVX512
+using Q4KAcc = __m512;
+inline void q4k_accumulate(const Q4KBlock& u, const int8_t* xq, float d_x, const int16_t* bsums, Q4KAcc& acc) {
+    __m512i dots = _mm512_setzero_si512();  // sum_s sc[s] (xq . q over s), spread over the lanes
+    for (int k = 0; k < 4; k++)
+        dots = _mm512_dpwssd_epi32(dots, _mm512_maddubs_epi16(u.levels[k], _mm512_loadu_si512(xq + 64 * k)), u.scales[k]);
+    const __m128i mins = _mm_madd_epi16(u.mins, _mm_loadu_si128((const __m128i*)bsums));  // sum_s m[s] bsums[s], 4 lanes
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(u.d * d_x), acc);
+    acc = _mm512_fnmadd_ps(_mm512_zextps128_ps512(_mm_cvtepi32_ps(mins)), _mm512_set1_ps(u.dmin * d_x), acc);
 }
 inline float q4k_sum(__m512 acc) { return _mm512_reduce_add_ps(acc); }
 #else
 using Q4KAcc = __m256;
-struct Q4KLevels {
-    __m256i v[8];  // for each 32 bytes, its low nibbles and its high
-};
-inline Q4KLevels q4k_levels(const uint8_t* block) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    Q4KLevels q;
-    for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(block + 16 + 32 * c));
-        q.v[2 * c] = _mm256_and_si256(raw, low4), q.v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+inline void q4k_accumulate(const Q4KBlock& u, const int8_t* xq, float d_x, const int16_t* bsums, Q4KAcc& acc) {
+    __m256i dots = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++) {
+        const __m256i pairs = _mm256_maddubs_epi16(u.levels[s], _mm256_loadu_si256((const __m256i*)(xq + 32 * s)));
+        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, _mm256_shuffle_epi8(u.scales, _mm256_set1_epi32(pick16(s)))));
     }
-    return q;
-}
-inline void q4k_accumulate(const Q4KLevels& q, __m256 scale, __m256 min, const int8_t* xq, const float* xs,
-                           const float* xsum, __m256& acc, __m256& mins) {
-    alignas(32) float scaled[8];
-    _mm256_store_ps(scaled, _mm256_mul_ps(scale, _mm256_loadu_ps(xs)));
-    mins = _mm256_fmadd_ps(min, _mm256_loadu_ps(xsum), mins);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int s = 0; s < 8; s++) {  // sub-block s: the low nibbles of 32 bytes, then their high
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q.v[s], _mm256_loadu_si256((const __m256i*)(xq + 32 * s))), ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scaled[s]), acc);
-    }
+    const __m128i mins = _mm_madd_epi16(u.mins, _mm_loadu_si128((const __m128i*)bsums));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(u.d * d_x), acc);
+    acc = _mm256_fnmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(mins)), _mm256_set1_ps(u.dmin * d_x), acc);
 }
 inline float q4k_sum(__m256 acc) { return hsum(acc); }
 #endif
 
-// out[b][i] = x_b . w[i] for the four Q4_K rows w[i] = w0 + i * stride (bytes) and NB rows x_b
-// of x (K, a multiple of 256), given as xq, xs and xsum (block_sums_q8) of x in Q4K_ORDER
-// (q4k_order), row b at xq + b K, xs + b K / 32 and xsum + b K / 32; the same sums as the
-// reference in fp32 rounding. Each super-block of w is unpacked once for the NB rows of x.
-template <int NB>
-inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* w0, int64_t stride,
-                     bool prefetch, float* out) {
-    const uint8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
-    const int64_t nb = K / 32;
-    Q4KAcc acc[NB][4];
-    __m256 mins[NB][4];
+// out[b * b_stride + i * i_stride] = x_b . w[i] for R Q4_K rows w[i] = w0 + i * stride (bytes) and
+// NB rows x_b of x (K, a multiple of 256) as quantize_q8k gives it: row b at xq + b K, d + b K / 256
+// and bsums + b K / 32; the same sums as the reference in fp32 rounding. Each super-block of w is
+// unpacked once for the NB rows of x.
+template <int NB, int R>
+inline void dot_q4k(const int8_t* xq, const float* d, const int16_t* bsums, int64_t K, const uint8_t* w0,
+                    int64_t stride, bool prefetch, float* out, int64_t b_stride, int64_t i_stride) {
+    const int64_t n_super = K / 256;
+    Q4KAcc acc[NB][R];
     for (int b = 0; b < NB; b++)
-        for (int i = 0; i < 4; i++) acc[b][i] = Q4KAcc{}, mins[b][i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < K / 256; j++) {
-        if (prefetch)
-            for (int64_t part = 0; part < Q4K_BYTES; part += 48) prefetch4(w[0], w[1], w[2], w[3], j * Q4K_BYTES + part);
-        for (int i = 0; i < 4; i++) {
-            const uint8_t* block = w[i] + j * Q4K_BYTES;
-            __m256 scale, min;
-            q4k_scales(block, scale, min);
-            const Q4KLevels q = q4k_levels(block);
+        for (int i = 0; i < R; i++) acc[b][i] = Q4KAcc{};
+    for (int64_t j = 0; j < n_super; j++) {
+        if (prefetch && R == 4)
+            for (int64_t part = 0; part < Q4K_BYTES; part += 48)
+                prefetch4(w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride, j * Q4K_BYTES + part);
+        for (int i = 0; i < R; i++) {
+            const Q4KBlock u = q4k_block(w0 + i * stride + j * Q4K_BYTES);
             for (int b = 0; b < NB; b++)
-                q4k_accumulate(q, scale, min, xq + b * K + 256 * j, xs + b * nb + 8 * j, xsum + b * nb + 8 * j, acc[b][i],
-                               mins[b][i]);
+                q4k_accumulate(u, xq + b * K + 256 * j, d[b * n_super + j], bsums + b * (K / 32) + 8 * j, acc[b][i]);
         }
     }
     for (int b = 0; b < NB; b++)
-        for (int i = 0; i < 4; i++) out[4 * b + i] = q4k_sum(acc[b][i]) - hsum(mins[b][i]);
+        for (int i = 0; i < R; i++) out[b * b_stride + i * i_stride] = q4k_sum(acc[b][i]);
 }
 
-// dot4_q4k for B rows of x (out (B, 4)), four at a time
-inline void dot4_q4k(const int8_t* xq, const float* xs, const float* xsum, int64_t B, int64_t K, const uint8_t* w0,
-                     int64_t stride, float* out) {
-    const int64_t nb = K / 32;
+// dot_q4k for B rows of x, four at a time
+template <int R>
+inline void dot_q4k(const int8_t* xq, const float* d, const int16_t* bsums, int64_t B, int64_t K, const uint8_t* w0,
+                    int64_t stride, float* out, int64_t b_stride, int64_t i_stride) {
     for (int64_t b = 0; b < B; b += 4) {
         const int8_t* q = xq + b * K;
-        const float *s = xs + b * nb, *sum = xsum + b * nb;
-        float* o = out + 4 * b;
+        const float* db = d + b * (K / 256);
+        const int16_t* sums = bsums + b * (K / 32);
+        float* o = out + b * b_stride;
         switch (B - b < 4 ? B - b : 4) {  // the weights asked for ahead once, with the first rows of x
-            case 1: dot4_q4k<1>(q, s, sum, K, w0, stride, b == 0, o); break;
-            case 2: dot4_q4k<2>(q, s, sum, K, w0, stride, b == 0, o); break;
-            case 3: dot4_q4k<3>(q, s, sum, K, w0, stride, b == 0, o); break;
-            default: dot4_q4k<4>(q, s, sum, K, w0, stride, b == 0, o);
+            case 1: dot_q4k<1, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
+            case 2: dot_q4k<2, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
+            case 3: dot_q4k<3, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
+            default: dot_q4k<4, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride);
         }
     }
 }

@@ -167,6 +167,29 @@ def test_rows_q4k_matches_its_reference(build, B, K, N):
     assert relative(reference, exact) < 0.03
 
 
+@pytest.mark.parametrize("B", [1, 5])
+def test_x_is_quantized_per_256_as_llama_cpp_s_q8_k(build, B):
+    # x on each super-block's own grid: integers times a step, the largest 127 (once per 256
+    # values, in a different sub-block each time), the rest small. One scale per 256 values takes
+    # x exactly, so the product equals x times the dequantized weights; a scale per 32 would not
+    # (a sub-block of small integers is rounded to a finer grid: errors of about 1e-3).
+    g = torch.Generator().manual_seed(B)
+    K, N = 768, 40
+    ints = torch.randint(-9, 10, (B, K // 256, 256), generator=g)
+    ints[:, :, torch.tensor([5, 300 - 256, 700 - 512])] = 0
+    for b in range(B):
+        for j, at in enumerate((5, 300 - 256, 700 - 512)):
+            ints[b, j, at] = 127 if (b + j) % 2 else -127
+    steps = torch.rand(B, K // 256, 1, generator=g, dtype=torch.float64) + 0.5
+    x = (ints * steps).view(B, K).float()
+    xq, xd = kernels.quantize_q8k_reference(x)
+    assert torch.equal(xq.view(B, K // 256, 256).long(), ints)
+    blocks = torch.from_numpy(random_blocks("Q4_K", N, K, seed=3))
+    exact = x.double() @ q4_k.dequantize_rows(blocks, K).double().t()
+    assert relative(kernels.rows_q4k(x, blocks, None).double(), exact) < 1e-6
+    assert relative(kernels.rows_q4k_reference(x, blocks, None).double(), exact) < 1e-6
+
+
 def test_rows_q4k_at_the_head_shape(build):  # more rows than any block's: 50257 x 768
     g = torch.Generator().manual_seed(0)
     x, bias = torch.randn(2, 768, generator=g), torch.randn(VOCAB, generator=g)
