@@ -27,11 +27,11 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
   - at most DECODE_ROWS rows (decoding: batch x new tokens): gpt2attn.kernels' products, which
     read each weight once on all of torch's threads (fp32 in the layer's own layout, Conv1D's
     (in, out) or the head's (out, in); 16-bit and int8 as (out, in) rows; int8 with the input
-    quantized per call in blocks of 32 values, as llama.cpp's q8_0; q4 the same input times Q4_K
-    rows). Where the kernels cannot run
+    quantized per call in blocks of 32 values, as llama.cpp's q8_0; q4 the input quantized per
+    256 values, as llama.cpp's Q8_K, times Q4_K rows). Where the kernels cannot run
     (see gpt2attn.kernels), their plain-torch references compute the same sums: int8 then too
     quantizes the input in blocks of 32, so its results equal the kernels' to fp32 rounding;
-    so does q4's;
+    so does q4's, per 256;
   - more rows (a prompt): fp32 and 16-bit weights through the same kernels in register tiles
     (16-bit weights widened in registers; without the kernels, torch's product on the weight
     widened to fp32), except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16
@@ -277,8 +277,8 @@ class Q4Linear(PackedLinear):
     a weight, a 6-bit scale and min per 32. in_features must be a multiple of 256."""
 
     prefill_kernel = "gpt2attn q4_K rows, every row in one pass"
-    decode_kernel = "gpt2attn q4_K rows (input in blocks of 32)"
-    decode_reference = "the q4_K rows' reference, input in blocks of 32"
+    decode_kernel = "gpt2attn q4_K rows (input per 256, as llama.cpp's Q8_K)"
+    decode_reference = "the q4_K rows' reference, input per 256 (Q8_K)"
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)

@@ -30,8 +30,9 @@
 //
 // Threads: OpenMP, the runtime torch itself runs on (the caller passes torch's thread count).
 // A rows product hands its spans out in turn (schedule(dynamic)), so a thread the OS holds back on
-// a busy machine delays it by one span, not by its whole share: each row's sum is one thread's,
-// the same whichever thread takes it. A cols product gives each thread the same share of rows on
+// a busy machine delays it by one span, not by its whole share (except where a step's matrix is
+// small enough for one span a thread: for_spans): each row's sum is one thread's, the same
+// whichever thread takes it. A cols product gives each thread the same share of rows on
 // every run, so its partial sums, and a step's results, do not change from run to run (with chunks
 // taken in turn, they changed in the last bits).
 //
@@ -94,7 +95,8 @@ using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2att
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
 constexpr int64_t QUARTERS = 4;  // far-apart runs of rows each thread reads in step in a cols product
-constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product
+constexpr int64_t SPANS = 4;    // spans of rows per thread in a rows product (at most; for_spans)
+constexpr int64_t MIN_SPAN_BYTES = 1 << 20;  // a step's span holds at least this much of the weights, where it can
 constexpr int64_t SLICE = 256;  // outputs per task when the threads' partials of a cols product are summed
 constexpr int64_t X_CHUNK_BYTES = 1 << 18;  // a prompt's int8 x taken this much at a time (in L2)
 constexpr int64_t ALONE_ROWS = 8;  // an int8 product of up to this many rows: each thread quantizes x for itself
@@ -148,12 +150,32 @@ inline void finish(float* y, const float* acc, const float* bias, int64_t n, Epi
     }
 }
 
-// The rows of an (N, K) product, handed to the threads in spans of a multiple of 4 rows (SPANS
-// per thread, taken in turn). body(r0, r1) runs once per span of at most span_rows(N, threads) rows.
-inline int64_t span_rows(int64_t N, int threads) { return ((N + SPANS * threads - 1) / (SPANS * threads) + 3) / 4 * 4; }
+// Bytes of one row of a rows matrix
+inline int64_t row_bytes(const Matrix& W) {
+    switch (W.kind) {
+        case ROWS_F32: return 4 * W.K;
+        case ROWS_F16: case ROWS_BF16: return 2 * W.K;
+        case ROWS_Q8: return W.K;
+        default: return W.K / 256 * gpt2attn::Q4K_BYTES;
+    }
+}
+
+// The rows of an (N, K) product, handed to the threads in spans of a multiple of 4 rows, taken in
+// turn: SPANS per thread, or, in a step (at most ALONE_ROWS rows of x), fewer where a span would
+// hold less than MIN_SPAN_BYTES of weights, down to one per thread. A span's four streams then run
+// long enough to be worth starting. gpt2-small's steps against four spans a thread for every
+// matrix, A/B in one process (AMD EPYC Zen 4, 2026-11-28): when memory read at 32-34 GB/s, q4 3-4%
+// and int8 1-3% faster; at 52 GB/s, int8 8-9%, q4 7-8% and fp16 2% faster; fp32 the same (its
+// block matrices are cols). body(r0, r1) runs once per span.
+inline int64_t span_rows(int64_t N, int64_t spans) { return ((N + spans - 1) / spans + 3) / 4 * 4; }
+inline int64_t spans_of(const Matrix& W, int64_t B, int threads) {
+    if (B > ALONE_ROWS) return SPANS * threads;
+    const int64_t fit = W.N * row_bytes(W) / MIN_SPAN_BYTES / threads * threads;  // a multiple of threads
+    return std::min<int64_t>(SPANS * threads, std::max<int64_t>(threads, fit));
+}
 template <typename F>
-void for_spans(int64_t N, int threads, F&& body) {
-    const int64_t span = span_rows(N, threads);
+void for_spans(const Matrix& W, int64_t B, int threads, F&& body) {
+    const int64_t N = W.N, span = span_rows(N, spans_of(W, B, threads));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t s = 0; s < (N + span - 1) / span; s++) body(s * span, (s + 1) * span < N ? (s + 1) * span : N);
 }
@@ -216,7 +238,8 @@ struct Products {
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K; q4k:
     // whether a ROWS_Q4K matrix may come (its scratch space is then made too)
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k, bool q4k)
-        : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k), max_span(span_rows(rows_n, nthreads)),
+        : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k),
+          max_span(span_rows(rows_n, rows > ALONE_ROWS ? SPANS * nthreads : nthreads)),
           partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
           sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0) {}
 
@@ -291,7 +314,7 @@ struct Products {
         const int64_t K = W.K;
         const T* w = (const T*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
-        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = K % 8 == 0 ? n / 4 : 0;
             float out[4];
             for (int64_t i = 0; i < q; i++)
@@ -328,7 +351,7 @@ struct Products {
         const int8_t* w = (const int8_t*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
         const int64_t chunk = std::max<int64_t>(Q8_ROWS, X_CHUNK_BYTES / K / Q8_ROWS * Q8_ROWS);  // rows of x
-        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
             float out[Q8_ROWS * 4];
             // the rows i, i + q, i + 2q, i + 3q of the span, times a tile of input rows at a time
@@ -368,7 +391,7 @@ struct Products {
         gpt2attn::quantize_q8k(x, B * K / 256, xq_mine, d_mine, bsums_mine);
         const uint8_t* w = (const uint8_t*)W.weight;
         float* mine = sums.data() + t * B * max_span;  // (B, n)
-        for_spans(W.N, threads, [&](int64_t r0, int64_t r1) {
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
             for (int64_t i = 0; i < q; i++)  // rows i, i + q, i + 2q, i + 3q of the span
                 gpt2attn::dot_q4k<4>(xq_mine, d_mine, bsums_mine, B, K, w + (r0 + i) * row_bytes, q * row_bytes,
