@@ -383,7 +383,7 @@ struct Products {
     }
 
     void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, row_bytes = K / 256 * gpt2attn::Q4K_BYTES;
+        const int64_t K = W.K, stride = row_bytes(W);
         const int t = omp_get_thread_num();  // each thread quantizes x for itself, as rows_q8 for a few rows
         int8_t* xq_mine = xq.data() + t * B * max_k;
         float* d_mine = xs.data() + t * B * (max_k / 32);
@@ -394,10 +394,9 @@ struct Products {
         for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = n / 4;
             for (int64_t i = 0; i < q; i++)  // rows i, i + q, i + 2q, i + 3q of the span
-                gpt2attn::dot_q4k<4>(xq_mine, d_mine, bsums_mine, B, K, w + (r0 + i) * row_bytes, q * row_bytes,
-                                     mine + i, n, q);
+                gpt2attn::dot_q4k<4>(xq_mine, d_mine, bsums_mine, B, K, w + (r0 + i) * stride, q * stride, mine + i, n, q);
             for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
-                gpt2attn::dot_q4k<1>(xq_mine, d_mine, bsums_mine, B, K, w + r * row_bytes, 0, mine + r - r0, n, 0);
+                gpt2attn::dot_q4k<1>(xq_mine, d_mine, bsums_mine, B, K, w + r * stride, 0, mine + r - r0, n, 0);
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
         });  // implicit barrier

@@ -1,7 +1,7 @@
 // The vector pieces of decode.cpp: widening 8 weights to fp32, a horizontal sum, the
-// quantization of activations in blocks of 32 (llama.cpp's q8_0 layout), and the inner loop of
-// every (N, K) rows product: four rows' dot products with one input row (dot4) or a tile of input
-// rows (dot4_q8).
+// quantization of activations in blocks of 32 (llama.cpp's q8_0 layout) or, for Q4_K rows, of 256
+// (its Q8_K), and the inner loop of every (N, K) rows product: four rows' dot products with one
+// input row (dot4) or a tile of input rows (dot4_q8, dot_q4k).
 //
 // AVX2, FMA and F16C always; where the build has AVX-512 (F, BW, VL, DQ and VNNI: the kernels are
 // built with those flags on a CPU that has them), dot4 and dot4_q8 take 16 floats or 64 int8 a
