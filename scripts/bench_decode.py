@@ -15,7 +15,11 @@ before ours runs, so its spinning threads never meet torch's), then ours: greedy
 tokens after a PROMPT-token prompt at batch 1, less the time of generating 1 token (so the NEW - 1
 steps between are timed, not the prompt's forward: llama-bench's tg has no prompt) and generate's
 prompt pass for each PREFILL length (gpt2attn.generation.decoder.Decoder, as generate makes it: a
-fresh KV cache, the forward into it and the last position's logits); then the read
+fresh KV cache, the forward into it and the last position's logits). Each llama-bench and each of
+our decode timings has the read rate measured just before and just after it beside it (the faster
+of the two, each as below): a round's "of limit" is its decode tok/s against that rate, so memory
+that changes speed between rounds (these VMs' does, from one minute to the next) moves both
+together; the table gives the median over rounds [min-max]. At the end of each round the read
 rate: one pass over a buffer of the fp32 weights' size (bench_common.read_sum, each thread
 reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
@@ -172,7 +176,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
     long = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=g) for t in lengths}
     keys = ["decode"] + [f"prefill {t}" for t in lengths]
     results = {(mode, side, key): [] for mode in modes for side in ("ours", "llama.cpp") for key in keys}
+    beside = {(mode, side): [] for mode in modes for side in ("ours", "llama.cpp")}  # each decode's read rate
     read_rates, one_stream_rates = [], []
+
+    def read_rate_now() -> float:
+        """The read rate at this moment: the faster of a pass as eight streams a thread and as one."""
+        seconds = min(best_of(lambda: read_sum(buffer), 2), best_of(lambda: read_sum(buffer, streams=1), 2))
+        return buffer.numel() * 4 / seconds
     gemm_floor = {t: [] for t in lengths}  # tok/s of the blocks' 48 products alone, through torch (MKL), fp32
 
     def blocks_products(x: torch.Tensor) -> None:
@@ -188,16 +198,21 @@ def run(args) -> tuple[list[dict], list[dict]]:
             llama = {}  # this round's llama-bench figures by format (plain and fp32 share f32's)
             for mode in modes:
                 if PAIRS[mode] not in llama:
-                    llama[PAIRS[mode]] = llama_bench(args.llama_cpp, files[mode], args)
-                for key, value in llama[PAIRS[mode]].items():
+                    before = read_rate_now()
+                    llama[PAIRS[mode]] = llama_bench(args.llama_cpp, files[mode], args), max(before, read_rate_now())
+                figures, rate = llama[PAIRS[mode]]
+                for key, value in figures.items():
                     results[(mode, "llama.cpp", key)].append(value)
+                beside[(mode, "llama.cpp")].append(rate)
                 model = ours[mode]
                 model.generate(prompt, max_new_tokens=4, eos_token_id=None)  # warm
                 # decoding alone, as llama-bench's tg: generate's time for NEW tokens less its time for 1
                 # (the prompt's forward and the first token), over the NEW - 1 steps between them
+                before = read_rate_now()
                 t_all = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
                 t_one = best_of(lambda: model.generate(prompt, max_new_tokens=1, eos_token_id=None), 2)
                 results[(mode, "ours", "decode")].append((args.new - 1) / (t_all - t_one))
+                beside[(mode, "ours")].append(max(before, read_rate_now()))
                 for length, ids in long.items():
                     t = best_of(lambda: Decoder(model, 1, ids.size(1) + 1, "cpu").forward(ids), 2)
                     results[(mode, "ours", f"prefill {length}")].append(length / t)
@@ -229,13 +244,21 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 values = results[(mode, side, key)]
                 row[key.replace(" ", "_") + "_tok_s"] = statistics.median(values)
                 row[key.replace(" ", "_") + "_range"] = [min(values), max(values)]
-            row["fraction_of_limit"] = row["decode_tok_s"] / (rate / nbytes)
+            # each round's decode against the read rate measured beside it (the faster of just before
+            # and just after), the median over rounds: memory that changes speed between rounds
+            # then moves the figure and its limit together
+            decodes = results[(mode, side, "decode")]
+            fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, beside[(mode, side)])]
+            row["fraction_of_limit"] = statistics.median(fractions)
+            row["fraction_of_limit_range"] = [min(fractions), max(fractions)]
+            row["read_rate_beside_gb_s"] = [near / 1e9 for near in beside[(mode, side)]]
             rows.append(row)
         o, l = rows[-2], rows[-1]
         for r, name in ((o, f"ours {mode}"), (l, f"llama.cpp {l['format']}")):
             cells = {"precision": name, "decode tok/s": _cell(r, "decode"),
                      "decode vs llama.cpp": f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x" if r is o else "",
-                     "of limit": f"{r['fraction_of_limit']:.0%}"}
+                     "of limit": f"{r['fraction_of_limit']:.0%} [{r['fraction_of_limit_range'][0]:.0%}-"
+                                 f"{r['fraction_of_limit_range'][1]:.0%}]"}
             for t in lengths:
                 cells[f"prefill {t} tok/s"] = _cell(r, f"prefill {t}")
                 cells[f"prefill {t} vs llama.cpp"] = (f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x"
@@ -251,7 +274,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
     print("|" + "---|" * len(shown[0]))
     for cells in shown:
         print("| " + " | ".join(cells.values()) + " |")
-    print(f"read rate {rate / 1e9:.1f} GB/s; 'of limit': decode tok/s x bytes per token / read rate")
+    print(f"read rate {rate / 1e9:.1f} GB/s (end of each round); 'of limit': each round's decode tok/s x bytes per "
+          "token / the read rate measured just before and after it (the faster), median over rounds [min-max]")
     print("prefill's ceiling through torch's matrix products: the blocks' 48 fp32 products of a T-token prompt "
           "alone (torch.mm, MKL; no attention, LayerNorm or head), tok/s (the table's last row): "
           + ", ".join(f"T={t}: {v:.0f}" for t, v in floors.items()))
