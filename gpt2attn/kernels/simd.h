@@ -306,12 +306,10 @@ inline Q4KBlock q4k_block(const uint8_t* block) {
         const __m512i raw = _mm512_loadu_si512(block + 16 + 64 * h);
         u.levels[2 * h] = _mm512_and_si512(raw, low4), u.levels[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
     }
-    for (int k = 0; k < 4; k++)  // levels[k] holds the sub-blocks at 2k and 2k + 1 of Q4K_ORDER
-        u.scales[k] = _mm512_shuffle_epi8(wide, _mm512_set_epi32(pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k + 1),
-                                                                 pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k + 1),
-                                                                 pick16(2 * k + 1), pick16(2 * k + 1), pick16(2 * k),
-                                                                 pick16(2 * k), pick16(2 * k), pick16(2 * k), pick16(2 * k),
-                                                                 pick16(2 * k), pick16(2 * k), pick16(2 * k)));
+    for (int k = 0; k < 4; k++) {  // levels[k] holds the sub-blocks at 2k and 2k + 1 of Q4K_ORDER
+        const __m512i first = _mm512_castsi256_si512(_mm256_set1_epi32(pick16(2 * k)));  // int16 lanes 0-15
+        u.scales[k] = _mm512_shuffle_epi8(wide, _mm512_inserti64x4(first, _mm256_set1_epi32(pick16(2 * k + 1)), 1));
+    }
 #else
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; c++) {
