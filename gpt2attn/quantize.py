@@ -16,7 +16,8 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
           some blocks) and for rows Q4_K cannot hold (gpt2attn.q4_k.keeps_8_bits)
 
 The layers are replaced one at a time, each fp32 Conv1D let go (and malloc's freed pages handed
-back) before the next is read: the model then holds `mode`'s weights and no fp32 copy of them,
+back) before the next is read, each packed weight placed after the one before in a WeightArena
+(huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32 copy of them,
 and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
 (docs/cpu-decoding.md, Memory).
 
@@ -57,8 +58,10 @@ AVX512-BF16); bf16 decoding does not need it.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import functools
+import mmap
 import warnings
 
 import torch
@@ -146,6 +149,17 @@ class PackedLinear(CpuLinear):
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         raise NotImplementedError
 
+    def _hold(self, name: str, packed: Tensor) -> None:
+        """Keep `packed` as self.<name>: in place of the tensor held there (a reload of the same
+        shape, as load_state_dict refills a parameter), else in quantize()'s WeightArena, if one
+        is open, else as it is."""
+        held = getattr(self, name, None)
+        if isinstance(held, Tensor) and held.shape == packed.shape and held.dtype == packed.dtype:
+            held.copy_(packed)
+            return
+        arena = _ARENA.get()
+        setattr(self, name, packed if arena is None else arena.place(packed))
+
     def hf_weight(self) -> Tensor:
         raise NotImplementedError
 
@@ -199,7 +213,7 @@ class HalfLinear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        self.weight16 = torch.empty(rows.shape, dtype=self.weight_dtype).copy_(rows)  # rounded as laid out: no temporary
+        self._hold("weight16", torch.empty(rows.shape, dtype=self.weight_dtype).copy_(rows))  # (out, in) rows
         self.bias = bias
 
     def hf_weight(self) -> Tensor:
@@ -238,7 +252,8 @@ class Int8Linear(PackedLinear):
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
         # plain int8 (out, in) rows and their scales: the one copy prompts and steps both read
-        self.weight8, self.scale = qweight.int_repr().contiguous(), qweight.q_per_channel_scales().float()
+        self._hold("weight8", qweight.int_repr().contiguous())
+        self._hold("scale", qweight.q_per_channel_scales().float())
         self.bias = bias
 
     def int8_weight(self) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -282,7 +297,7 @@ class Q4Linear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        self.blocks = q4_k.quantize_rows(rows.contiguous())  # (out, in/256 * 144) uint8
+        self._hold("blocks", q4_k.quantize_rows(rows.contiguous()))  # (out, in/256 * 144) uint8
         self.bias = bias
 
     def dequantized_weight(self) -> Tensor:
@@ -304,6 +319,59 @@ class Q4Linear(PackedLinear):
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
 
+class WeightArena:
+    """Memory for the weights quantize() packs, each placed after the one before, so they lie in
+    the order a decoding step reads them, in chunks asked to be backed by 2 MiB pages (Linux's
+    transparent huge pages, where they are `always` or `madvise`). A step then reads long runs
+    through few TLB entries (how much faster: docs/cpu-decoding.md, Memory). A chunk's untouched
+    tail takes no memory; the tail of its last huge page does (at most 2 MiB a chunk). Where mmap cannot make such chunks (no anonymous
+    private mappings or huge-page advice: not Linux), tensors stay where torch put them."""
+
+    CHUNK = 256 << 20  # bytes of address space a chunk takes (memory only as it fills)
+    PAGE = 2 << 20
+
+    def __init__(self):
+        self.chunk: memoryview | None = None
+        self.used = 0
+
+    def place(self, packed: Tensor) -> Tensor:
+        """A tensor in the arena equal to `packed` (contiguous), or `packed` itself where it cannot."""
+        nbytes = packed.numel() * packed.element_size()
+        if nbytes == 0 or not packed.is_contiguous():
+            return packed
+        if self.chunk is None or self.used + nbytes > len(self.chunk):
+            self.chunk = _huge_chunk(max(self.CHUNK, nbytes + self.PAGE), self.PAGE)
+            self.used = 0
+            if self.chunk is None:
+                return packed
+        bytes_ = torch.frombuffer(self.chunk[self.used : self.used + nbytes], dtype=torch.uint8)
+        self.used += -(-nbytes // 64) * 64  # the next starts on a cache line
+        return bytes_.view(packed.dtype).view(packed.shape).copy_(packed)
+
+
+def _huge_chunk(size: int, page: int) -> memoryview | None:
+    """`size` bytes of anonymous private memory advised to be backed by huge pages, from a
+    page-aligned start (None where this platform's mmap cannot)."""
+    flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if None in flags or advice is None:
+        return None
+    try:
+        region = mmap.mmap(-1, size + page, flags=flags[0] | flags[1])
+    except OSError:
+        return None
+    try:
+        region.madvise(advice)
+    except OSError:  # a kernel without transparent huge pages: still one run in step order
+        pass
+    view = memoryview(region)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % page
+    return view[start : start + size]
+
+
+_ARENA: contextvars.ContextVar[WeightArena | None] = contextvars.ContextVar("gpt2attn_weight_arena", default=None)
+
+
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
     in place, and return it: see this module's docstring."""
@@ -320,6 +388,15 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     # names, not modules: a list of the old layers would keep every fp32 weight alive to the end
     names = [name for name, module in model.named_modules()
              if isinstance(module, Conv1D) or (name.endswith("lm_head") and isinstance(module, nn.Linear))]
+    arena = _ARENA.set(WeightArena())  # the packed weights in named_modules' order, which is a step's
+    try:
+        _replace_layers(model, names, mode, wte, n_layer)
+    finally:
+        _ARENA.reset(arena)
+    return model
+
+
+def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Module | None, n_layer: int) -> None:
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -338,7 +415,6 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         setattr(parent, child, layer.train(module.training))
         del module  # the fp32 layer's last reference: its weight (and a file's pages under it) go now
         release_free_memory()  # and the temporaries' pages, before the next layer's are taken
-    return model
 
 
 def release_free_memory() -> None:

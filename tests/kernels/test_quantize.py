@@ -366,3 +366,74 @@ def test_a_prompt_with_gradients_takes_autograd_s_path():
     x = torch.randn(128, 8)
     layer(x).sum().backward()
     assert torch.allclose(weight.grad, x.sum(0)[:, None].expand(8, 6)) and torch.equal(bias.grad, torch.full((6,), 128.0))
+
+
+def _step_tensors(model):
+    """The packed tensors a decoding step reads, in the order it reads them."""
+    names = [f"transformer.h.{i}.{n}" for i in range(model.config.n_layer)
+             for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + ["lm_head"]
+    return [getattr(model.get_submodule(n), a) for n in names for a in ("weight16", "weight8", "scale", "blocks")
+            if isinstance(getattr(model.get_submodule(n), a, None), torch.Tensor)]
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process holding `address` (Linux's /proc/self/smaps)."""
+    mapping = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            mapping = start <= address < end
+        elif head == "VmFlags:" and mapping:
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+huge_page_advice = pytest.mark.skipif(
+    not (hasattr(__import__("mmap"), "MADV_HUGEPAGE") and hasattr(__import__("mmap"), "MAP_ANONYMOUS")),
+    reason="the weight arena needs mmap's MAP_ANONYMOUS and MADV_HUGEPAGE (Linux)")
+
+
+@huge_page_advice
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "int8", "q4"])
+def test_quantized_weights_lie_one_after_another_in_a_step_s_order_on_huge_page_advised_memory(mode):
+    config = tiny_config(n_embd=256, n_head=4, n_inner=512)  # q4's blocks need rows of 256
+    model = randomize(GPT2LMHeadModel(config), seed=5, std=0.1).eval().quantize(mode)
+    tensors = _step_tensors(model)
+    assert len(tensors) >= 4 * config.n_layer + 1
+    for before, after in zip(tensors, tensors[1:]):
+        end = before.data_ptr() + before.numel() * before.element_size()
+        assert after.data_ptr() == -(-end // 64) * 64, "each tensor starts on the cache line after the one before"
+    assert "hg" in _mapping_flags(tensors[0].data_ptr())  # madvise(MADV_HUGEPAGE) was asked for
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8", "q4"])
+def test_reloading_a_quantized_model_refills_its_weights_where_they_are(mode, ids):
+    config = tiny_config(n_embd=256, n_head=4, n_inner=512)
+    model = randomize(GPT2LMHeadModel(config), seed=6, std=0.1).eval().quantize(mode)
+    other = randomize(GPT2LMHeadModel(config), seed=7, std=0.1).eval().quantize(mode)
+    fresh = GPT2LMHeadModel(config).eval()  # other's weights packed anew (q4's search may move a level)
+    fresh.load_state_dict(other.state_dict())
+    fresh.quantize(mode)
+    where = [t.data_ptr() for t in _step_tensors(model)]
+    model.load_state_dict(other.state_dict())
+    assert [t.data_ptr() for t in _step_tensors(model)] == where
+    assert all(torch.equal(a, b) for a, b in zip(_step_tensors(model), _step_tensors(fresh)))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+@huge_page_advice
+def test_a_quantized_model_s_weight_memory_goes_with_it():
+    import gc
+
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=8, std=0.1).eval().quantize("int8")
+    address = _step_tensors(model)[0].data_ptr()
+    assert "hg" in _mapping_flags(address)
+    del model
+    gc.collect()
+    try:
+        flags = _mapping_flags(address)
+    except AssertionError:
+        return  # unmapped
+    assert "hg" not in flags, "the arena's mapping outlived the model"
