@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import functools
+import math
 import mmap
 import warnings
 
@@ -149,19 +150,16 @@ class PackedLinear(CpuLinear):
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         raise NotImplementedError
 
-    def _hold(self, name: str, packed: Tensor) -> None:
-        """Keep `packed` as self.<name>: in place of the tensor held there (a reload of the same
-        shape, as load_state_dict refills a parameter), else in quantize()'s WeightArena, if one
-        is open, else as it is."""
+    def _slot(self, name: str, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """self.<name>, a tensor of `shape` and `dtype` for the caller to fill: the one held there (a
+        reload refills it, as load_state_dict refills a parameter), else a new one, in quantize()'s
+        WeightArena while one is open."""
         held = getattr(self, name, None)
-        if isinstance(held, Tensor) and held.shape == packed.shape and held.dtype == packed.dtype:
-            held.copy_(packed)
-            return
-        arena = _ARENA.get()
-        setattr(self, name, packed if arena is None else arena.place(packed))
-
-    def hf_weight(self) -> Tensor:
-        raise NotImplementedError
+        if not (isinstance(held, Tensor) and held.shape == shape and held.dtype == dtype):
+            arena = _ARENA.get()
+            held = torch.empty(shape, dtype=dtype) if arena is None else arena.empty(shape, dtype)
+            setattr(self, name, held)
+        return held
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self._tied[0] if self._tied else self.hf_weight()
@@ -213,7 +211,7 @@ class HalfLinear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        self._hold("weight16", torch.empty(rows.shape, dtype=self.weight_dtype).copy_(rows))  # (out, in) rows
+        self._slot("weight16", rows.shape, self.weight_dtype).copy_(rows)  # rounded as laid out: no temporary
         self.bias = bias
 
     def hf_weight(self) -> Tensor:
@@ -252,8 +250,10 @@ class Int8Linear(PackedLinear):
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
         # plain int8 (out, in) rows and their scales: the one copy prompts and steps both read
-        self._hold("weight8", qweight.int_repr().contiguous())
-        self._hold("scale", qweight.q_per_channel_scales().float())
+        levels, scales = qweight.int_repr(), qweight.q_per_channel_scales()
+        del qweight  # before the copies: no more than two int8 copies at once
+        self._slot("weight8", levels.shape, torch.int8).copy_(levels)
+        self._slot("scale", scales.shape, torch.float32).copy_(scales)
         self.bias = bias
 
     def int8_weight(self) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -297,7 +297,8 @@ class Q4Linear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        self._hold("blocks", q4_k.quantize_rows(rows.contiguous()))  # (out, in/256 * 144) uint8
+        blocks = q4_k.quantize_rows(rows.contiguous())  # (out, in/256 * 144) uint8
+        self._slot("blocks", blocks.shape, torch.uint8).copy_(blocks)
         self.bias = bias
 
     def dequantized_weight(self) -> Tensor:
@@ -334,19 +335,17 @@ class WeightArena:
         self.chunk: memoryview | None = None
         self.used = 0
 
-    def place(self, packed: Tensor) -> Tensor:
-        """A tensor in the arena equal to `packed` (contiguous), or `packed` itself where it cannot."""
-        nbytes = packed.numel() * packed.element_size()
-        if nbytes == 0 or not packed.is_contiguous():
-            return packed
-        if self.chunk is None or self.used + nbytes > len(self.chunk):
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A new tensor (contents undefined) after the last one, or torch's own where no chunk can be made."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes and (self.chunk is None or self.used + nbytes > len(self.chunk)):
             self.chunk = _huge_chunk(max(self.CHUNK, nbytes + self.PAGE), self.PAGE)
             self.used = 0
-            if self.chunk is None:
-                return packed
+        if nbytes == 0 or self.chunk is None:
+            return torch.empty(shape, dtype=dtype)
         bytes_ = torch.frombuffer(self.chunk[self.used : self.used + nbytes], dtype=torch.uint8)
         self.used += -(-nbytes // 64) * 64  # the next starts on a cache line
-        return bytes_.view(packed.dtype).view(packed.shape).copy_(packed)
+        return bytes_.view(dtype).view(shape)
 
 
 def _huge_chunk(size: int, page: int) -> memoryview | None:
