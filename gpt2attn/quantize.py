@@ -16,9 +16,9 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
           some blocks) and for rows Q4_K cannot hold (gpt2attn.q4_k.keeps_8_bits)
 
 The layers are replaced one at a time, each fp32 Conv1D let go (and malloc's freed pages handed
-back) before the next is read, each packed weight placed after the one before in a WeightArena
-(huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32 copy of them,
-and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
+back) before the next is read, and each packed weight goes after the one before in a WeightArena
+(huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32
+copy of them, and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
 (docs/cpu-decoding.md, Memory).
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
@@ -160,6 +160,9 @@ class PackedLinear(CpuLinear):
             held = torch.empty(shape, dtype=dtype) if arena is None else arena.empty(shape, dtype)
             setattr(self, name, held)
         return held
+
+    def hf_weight(self) -> Tensor:
+        raise NotImplementedError
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self._tied[0] if self._tied else self.hf_weight()
@@ -325,8 +328,9 @@ class WeightArena:
     the order a decoding step reads them, in chunks asked to be backed by 2 MiB pages (Linux's
     transparent huge pages, where they are `always` or `madvise`). A step then reads long runs
     through few TLB entries (how much faster: docs/cpu-decoding.md, Memory). A chunk's untouched
-    tail takes no memory; the tail of its last huge page does (at most 2 MiB a chunk). Where mmap cannot make such chunks (no anonymous
-    private mappings or huge-page advice: not Linux), tensors stay where torch put them."""
+    tail takes no memory; the tail of its last huge page does (at most 2 MiB a chunk). Where mmap
+    cannot make such chunks (no anonymous private mappings or huge-page advice: not Linux),
+    tensors stay where torch put them."""
 
     CHUNK = 256 << 20  # bytes of address space a chunk takes (memory only as it fills)
     PAGE = 2 << 20

@@ -1,4 +1,7 @@
 import copy
+import gc
+import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,8 +393,9 @@ def _mapping_flags(address: int) -> list[str]:
 
 
 huge_page_advice = pytest.mark.skipif(
-    not (hasattr(__import__("mmap"), "MADV_HUGEPAGE") and hasattr(__import__("mmap"), "MAP_ANONYMOUS")),
-    reason="the weight arena needs mmap's MAP_ANONYMOUS and MADV_HUGEPAGE (Linux)")
+    not (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+         and Path("/sys/kernel/mm/transparent_hugepage").is_dir()),
+    reason="the weight arena's huge-page advice needs Linux with transparent huge pages")
 
 
 @huge_page_advice
@@ -425,8 +429,6 @@ def test_reloading_a_quantized_model_refills_its_weights_where_they_are(mode, id
 
 @huge_page_advice
 def test_a_quantized_model_s_weight_memory_goes_with_it():
-    import gc
-
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=8, std=0.1).eval().quantize("int8")
     address = _step_tensors(model)[0].data_ptr()
     assert "hg" in _mapping_flags(address)
