@@ -109,6 +109,16 @@ def read_sum(x: torch.Tensor, streams: int = 8) -> float:
     return lib.read_sum(x.data_ptr(), x.numel(), torch.get_num_threads(), streams)
 
 
+def read_buffer(n: int) -> torch.Tensor:
+    """n fp32 values to measure the read rate on: in memory asked for 2 MiB pages where the system
+    gives them (gpt2attn.quantize.WeightArena, where quantize() keeps its weights), since on 4 kB
+    pages this machine's memory read up to 30% slower (one stream a thread, a 2-core AMD EPYC Zen 4
+    VM, 2026-11-28); torch's own memory where it cannot."""
+    from gpt2attn.quantize import WeightArena
+
+    return WeightArena().empty(torch.Size([n]), torch.float32).fill_(1.0)
+
+
 def weight_bytes(model) -> int:
     """Bytes a decode step of a quantize()d model reads: every CpuLinear's weight (and int8 scales;
     q4's blocks)."""

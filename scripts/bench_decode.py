@@ -20,7 +20,9 @@ our decode timings has the read rate measured just before and just after it besi
 of the two, each as below): a round's "of limit" is its decode tok/s against that rate, so memory
 that changes speed between rounds (these VMs' does, from one minute to the next) moves both
 together; the table gives the median over rounds [min-max]. At the end of each round the read
-rate: one pass over a buffer of the fp32 weights' size (bench_common.read_sum, each thread
+rate: one pass over a buffer of the fp32 weights' size (bench_common.read_buffer: on 2 MiB pages
+where the system gives them, as quantize() keeps its weights; before 2026-11-28 06:00 UTC on
+4 kB pages, which read up to 30% slower on the Zen 4 VM) (bench_common.read_sum, each thread
 reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import machine_line, read_sum, weight_bytes
+from bench_common import machine_line, read_buffer, read_sum, weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, kernels
 from gpt2attn.formats import gguf
@@ -169,7 +171,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
             gguf.write(files[mode], state, cfg, dtype=PAIRS[mode], tokenizer=tokenizer)
     # q4 and q4_K_M mix types: the bytes as held (our layers' tensors, the file's table)
     held = {"q4": weight_bytes(ours["q4"]), PAIRS["q4"]: gguf_matrix_bytes(files["q4"])} if "q4" in modes else {}
-    buffer = torch.randn(int(matrix_bytes(fp32, 4.0)) // 4)
+    buffer = read_buffer(int(matrix_bytes(fp32, 4.0)) // 4)
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=g)

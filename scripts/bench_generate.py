@@ -42,7 +42,7 @@ from unittest import mock
 
 import torch
 import transformers
-from bench_common import SHARED_DATA, interleaved_medians, machine_line, median_seconds, read_sum
+from bench_common import SHARED_DATA, interleaved_medians, machine_line, median_seconds, read_buffer, read_sum
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.generation.decoder import Decoder
@@ -52,7 +52,7 @@ TOKENIZER_FILES = SHARED_DATA / "gpt2-tokenizer"  # CTranslate2's converter want
 
 def bandwidth_floor_tokens_per_s(n_params: int) -> float:
     """1 / time to read n_params fp32 values once on all threads: reading every weight, as a decode step must."""
-    weights = torch.ones(n_params)
+    weights = read_buffer(n_params)
     return 1.0 / median_seconds(lambda: read_sum(weights), repeats=20, warmup=3)
 
 

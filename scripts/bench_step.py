@@ -28,7 +28,7 @@ import time
 import warnings
 
 import torch
-from bench_common import machine_line, read_sum, weight_bytes
+from bench_common import machine_line, read_buffer, read_sum, weight_bytes
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel
 from gpt2attn.generation.decoder import Decoder
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> list[dict]:
             m = GPT2LMHeadModel(big).eval()
             m.load_state_dict(base.state_dict())
             m.quantize(mode)
-            buffer = torch.ones(weight_bytes(m) // 4)
+            buffer = read_buffer(weight_bytes(m) // 4)
             linears = [mod for mod in m.modules() if isinstance(mod, CpuLinear)]
             rows = [torch.randn(1, 1, mod.in_features) for mod in linears]
             fns[f"{mode} read weights"] = lambda buffer=buffer: read_sum(buffer)
