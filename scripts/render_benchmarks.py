@@ -44,7 +44,7 @@ ABOUT = {
               "128 and 512 tokens; and the machine's read rate measured in the same run. \"of limit\" is decode tok/s × bytes "
               "read per token / the read rate measured just before and after it, median over rounds [min-max] (runs "
               "before 2026-11-28: the median decode over the median of the rounds' read rates); the read rate is measured on "
-              "2 MiB pages since 2026-11-28 06:00 UTC, on 4 kB pages before (which read up to 30% slower; see "
+              "2 MiB pages from the run of 2026-11-28 05:56 UTC on, on 4 kB pages before (which read up to 30% slower; see "
               "[Fast CPU decoding](cpu-decoding.md)). Runs on other CPU families "
               "are older code (their commit is named): they show each family's ratios, not today's code's.",
     "step": "Where one batch-1 decode step of gpt2-small's shapes spends its time, per precision: reading "
