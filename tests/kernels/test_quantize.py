@@ -382,7 +382,7 @@ def _step_tensors(model):
 def _mapping_flags(address: int) -> list[str]:
     """VmFlags of the mapping of this process holding `address` (Linux's /proc/self/smaps)."""
     mapping = None
-    for line in open("/proc/self/smaps"):
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
@@ -399,9 +399,10 @@ huge_page_advice = pytest.mark.skipif(
 
 
 @huge_page_advice
-@pytest.mark.parametrize("mode", ["fp16", "bf16", "int8", "q4"])
-def test_quantized_weights_lie_one_after_another_in_a_step_s_order_on_huge_page_advised_memory(mode):
-    config = tiny_config(n_embd=256, n_head=4, n_inner=512)  # q4's blocks need rows of 256
+@pytest.mark.parametrize("mode, n_inner", [("fp16", 512), ("bf16", 512), ("int8", 512), ("q4", 512),
+                                           ("int8", 520)])  # 520 scales: 2080 bytes, not whole cache lines
+def test_quantized_weights_lie_one_after_another_in_a_step_s_order_on_huge_page_advised_memory(mode, n_inner):
+    config = tiny_config(n_embd=256, n_head=4, n_inner=n_inner)  # q4's blocks need rows of 256
     model = randomize(GPT2LMHeadModel(config), seed=5, std=0.1).eval().quantize(mode)
     tensors = _step_tensors(model)
     assert len(tensors) >= 4 * config.n_layer + 1
@@ -439,3 +440,42 @@ def test_a_quantized_model_s_weight_memory_goes_with_it():
     except AssertionError:
         return  # unmapped
     assert "hg" not in flags, "the arena's mapping outlived the model"
+
+
+def _quantized_outside_the_arena(model, mode, monkeypatch):
+    """A copy of `model` quantized with every packed tensor torch's own (the arena bypassed)."""
+    from gpt2attn.quantize import WeightArena
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WeightArena, "empty", lambda self, shape, dtype: torch.empty(shape, dtype=dtype))
+        return copy.deepcopy(model).quantize(mode)
+
+
+@huge_page_advice
+def test_weights_that_outgrow_a_chunk_go_on_in_a_new_one(monkeypatch, ids):
+    from gpt2attn.quantize import WeightArena
+
+    config = tiny_config(n_embd=256, n_head=4, n_inner=1024, n_layer=3)  # 1 MiB of int8 a block
+    model = randomize(GPT2LMHeadModel(config), seed=9, std=0.1).eval()
+    reference = _quantized_outside_the_arena(model, "int8", monkeypatch)
+    monkeypatch.setattr(WeightArena, "CHUNK", WeightArena.PAGE)  # chunks of 2 MiB
+    q = copy.deepcopy(model).quantize("int8")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in _step_tensors(q))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "tensors overlap"
+    runs = sum(start != -(-end // 64) * 64 for (_, end), (start, _) in zip(spans, spans[1:])) + 1
+    assert runs > 1, "the weights (about 2.4 MiB) should need more than one chunk of 2 MiB"
+    with torch.no_grad():
+        assert torch.equal(q(ids).logits, reference(ids).logits)
+
+
+@huge_page_advice
+def test_without_huge_page_advice_the_weights_stay_where_torch_puts_them(monkeypatch, ids):
+    import gpt2attn.quantize as quantize_module
+
+    model = randomize(GPT2LMHeadModel(tiny_config()), seed=10, std=0.1).eval()
+    reference = _quantized_outside_the_arena(model, "int8", monkeypatch)
+    monkeypatch.delattr(quantize_module.mmap, "MADV_HUGEPAGE", raising=False)  # as on macOS or Windows
+    q = copy.deepcopy(model).quantize("int8")
+    with torch.no_grad():
+        assert torch.equal(q(ids).logits, reference(ids).logits)
+    assert not any("hg" in _mapping_flags(t.data_ptr()) for t in _step_tensors(q))
