@@ -490,13 +490,32 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
             float scale, const int64_t* key_mask, float* p, float* y) {
     memcpy(keys + pos * hs, k, hs * sizeof(float));
     memcpy(values + pos * hs, v, hs * sizeof(float));
-    const int64_t T = pos + 1;
+    const int64_t T = pos + 1, vec = hs / 8 * 8;
+    // q . key t for four keys at a time, each summed as dot() sums it (same bits)
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) {
+        const float* k0 = keys + t * hs;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t i = 0; i < vec; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + i);
+            s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), s0);
+            s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hs + i), s1);
+            s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hs + i), s2);
+            s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hs + i), s3);
+        }
+        float d[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
+        for (int j = 0; j < 4; j++) {
+            for (int64_t i = vec; i < hs; i++) d[j] += q[i] * k0[j * hs + i];
+            p[t + j] = d[j] * scale;
+        }
+    }
+    for (; t < T; t++) p[t] = dot(q, keys + t * hs, hs) * scale;
     float top = -INFINITY;
-    for (int64_t t = 0; t < T; t++) {
-        p[t] = key_mask && !key_mask[t] ? -INFINITY : dot(q, keys + t * hs, hs) * scale;
+    for (t = 0; t < T; t++) {
+        if (key_mask && !key_mask[t]) p[t] = -INFINITY;
         top = p[t] > top ? p[t] : top;
     }
-    int64_t t = 0;
+    t = 0;
     for (; t + 8 <= T; t += 8) _mm256_storeu_ps(p + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top))));
     for (; t < T; t++) p[t] = std::exp(p[t] - top);
     float total = 0.0f;
@@ -504,8 +523,22 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
         if (key_mask && !key_mask[t]) p[t] = 0.0f;  // exp8 gives e^-87 for -inf, not 0
         total += p[t];
     }
-    memset(y, 0, hs * sizeof(float));
-    for (t = 0; t < T; t++) axpy(y, p[t] / total, values + t * hs, hs);
+    // y = sum over t of (p[t] / total) values[t], 64 outputs at a time in registers (same bits as axpy)
+    int64_t i0 = 0;
+    for (; i0 + 64 <= vec; i0 += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (t = 0; t < T; t++) {
+            const __m256 w = _mm256_set1_ps(p[t] / total);
+            const float* vt = values + t * hs + i0;
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(y + i0 + 8 * j, a[j]);
+    }
+    if (i0 < hs) {
+        memset(y + i0, 0, (hs - i0) * sizeof(float));
+        for (t = 0; t < T; t++) axpy(y + i0, p[t] / total, values + t * hs + i0, hs - i0);
+    }
 }
 
 }  // namespace
