@@ -495,25 +495,15 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
             float scale, const int64_t* key_mask, float* p, float* y) {
     memcpy(keys + pos * hs, k, hs * sizeof(float));
     memcpy(values + pos * hs, v, hs * sizeof(float));
-    const int64_t T = pos + 1, vec = hs / 8 * 8;
-    // q . key t for four keys at a time, each summed as dot() sums it (same bits)
+    const int64_t T = pos + 1;
+    // q . key t: four keys at a time through the rows products' dot4 (rows hs apart), where hs is
+    // whole registers; one at a time otherwise and for the last few
     int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        const float* k0 = keys + t * hs;
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int64_t i = 0; i < vec; i += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + i);
-            s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), s0);
-            s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hs + i), s1);
-            s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hs + i), s2);
-            s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hs + i), s3);
+    if (hs % 8 == 0)
+        for (; t + 4 <= T; t += 4) {
+            dot4<float, false>(q, keys + t * hs, hs, hs, false, p + t);
+            for (int j = 0; j < 4; j++) p[t + j] *= scale;
         }
-        float d[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
-        for (int j = 0; j < 4; j++) {
-            for (int64_t i = vec; i < hs; i++) d[j] += q[i] * k0[j * hs + i];
-            p[t + j] = d[j] * scale;
-        }
-    }
     for (; t < T; t++) p[t] = dot(q, keys + t * hs, hs) * scale;
     float top = -INFINITY;
     for (t = 0; t < T; t++) {
@@ -530,7 +520,7 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
     }
     // y = sum over t of (p[t] / total) values[t], 64 outputs at a time in registers (same bits as axpy)
     int64_t i0 = 0;
-    for (; i0 + 64 <= vec; i0 += 64) {
+    for (; i0 + 64 <= hs; i0 += 64) {
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (t = 0; t < T; t++) {
