@@ -20,10 +20,10 @@ our decode timings has the read rate measured just before and just after it besi
 of the two, each as below): a round's "of limit" is its decode tok/s against that rate, so memory
 that changes speed between rounds (these VMs' does, from one minute to the next) moves both
 together; the table gives the median over rounds [min-max]. At the end of each round the read
-rate: one pass over a buffer of the fp32 weights' size (bench_common.read_buffer: on 2 MiB pages
-where the system gives them, as quantize() keeps its weights; before the run of 2026-11-28
-05:56 UTC on 4 kB pages, which read up to 30% slower on the Zen 4 VM) (bench_common.read_sum, each thread
-reading its share as 8 streams, and torch's sum; the fastest counts; the rate of one stream a
+rate: one pass over a buffer of the fp32 weights' size, on 2 MiB pages where the system gives them
+as quantize() keeps its weights (bench_common.read_buffer; before the run of 2026-11-28 05:56 UTC on
+4 kB pages, which read up to 30% slower on the Zen 4 VM), by bench_common.read_sum (each thread
+reading its share as 8 streams) and by torch's sum (the fastest counts; the rate of one stream a
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
