@@ -1,5 +1,5 @@
 """What this CPU offers, as the kernels, quantize, training and the benchmarks ask it: its flags,
-its model name, and whether it multiplies bf16 natively.
+its model name and numbers, and whether it multiplies bf16 natively.
 
 Read from /proc/cpuinfo on every call (a file in memory: microseconds), so a test that patches
 `flags` here changes what every user sees. Where /proc/cpuinfo is absent (not Linux) there are no
@@ -41,6 +41,16 @@ def name() -> str:
     """The CPU's model name ('AMD EPYC 9R14 ...'); platform.processor() where /proc/cpuinfo has none."""
     value = _field("model name")
     return platform.processor() if value is None else value.strip()
+
+
+def vendor_family_model() -> tuple[str, int, int] | None:
+    """x86's vendor and CPUID family and model numbers, ('AuthenticAMD', 26, 2) on a Zen 5; None where
+    /proc/cpuinfo has none (ARM, not Linux). Two CPUs with one model name can differ here: a virtual
+    machine often calls a Zen 4 and a Zen 5 both 'AMD EPYC'."""
+    vendor, family, model = _field("vendor_id"), _field("cpu family"), _field("model")
+    if vendor is None or family is None or model is None or not family.strip().isdigit() or not model.strip().isdigit():
+        return None
+    return vendor.strip(), int(family), int(model)
 
 
 def bf16_report() -> tuple[bool, str]:

@@ -136,7 +136,7 @@ def weight_bytes(model) -> int:
 def machine_line() -> str:
     facts = machine_facts()
     return (
-        f"machine: {facts['cpu']} ({platform.machine()}; {', '.join(facts['cpu_flags']) or 'no listed SIMD flags'}), "
+        f"machine: {facts['cpu']} ({platform.machine()}; {facts['core'] + '; ' if facts['core'] else ''}{', '.join(facts['cpu_flags']) or 'no listed SIMD flags'}), "
         f"{facts['cores']} cores, torch {facts['torch']}, {facts['threads']} threads"
     )
 
@@ -152,12 +152,45 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd")
 
 
+# CPUID family and model numbers -> core design, for the x86 server cores a bench may meet. A virtual
+# machine's model name is often just 'AMD EPYC' or 'Intel(R) Xeon(R) Processor', the same for a Zen 4
+# and a Zen 5, whose caches, vector units and memory differ: the numbers tell them apart.
+AMD_CORES = {23: [(0x00, 0x2F, "Zen/Zen+"), (0x30, 0xAF, "Zen 2")],
+             25: [(0x00, 0x0F, "Zen 3"), (0x10, 0x1F, "Zen 4"), (0x20, 0x5F, "Zen 3"), (0x60, 0x7F, "Zen 4"),
+                  (0xA0, 0xAF, "Zen 4")],
+             26: [(0x00, 0x4F, "Zen 5")]}
+INTEL_CORES = {0x55: "Skylake-SP/Cascade Lake", 0x6A: "Ice Lake-SP", 0x6C: "Ice Lake-SP", 0x8F: "Sapphire Rapids",
+               0xCF: "Emerald Rapids", 0xAD: "Granite Rapids", 0xAE: "Granite Rapids", 0xAF: "Sierra Forest"}
+
+
+def core_design(vendor: str, family: int, model: int) -> str:
+    """'Zen 5' for ('AuthenticAMD', 26, 2); 'family F model M' for numbers the tables above lack."""
+    if vendor == "AuthenticAMD":
+        for low, high, core in AMD_CORES.get(family, []):
+            if low <= model <= high:
+                return core
+    if vendor == "GenuineIntel" and family == 6 and model in INTEL_CORES:
+        return INTEL_CORES[model]
+    return f"family {family} model {model}"
+
+
 def cpu_family(machine: dict) -> str:
-    """The CPU model and the widest instruction family it offers the kernels: 'AMD EPYC, AVX-512'."""
+    """The CPU model, its core design where the run recorded one, and the widest instruction family it
+    offers the kernels: 'AMD EPYC (Zen 5), AVX-512'."""
     flags = set(machine["cpu_flags"])
     widest = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
               else "NEON" if flags & {"neon", "asimd"} else "no AVX2")
-    return f"{machine['cpu']}, {widest}"
+    core = f" ({machine['core']})" if machine.get("core") else ""
+    return f"{machine['cpu']}{core}, {widest}"
+
+
+def same_family(run: dict, record: dict) -> bool:
+    """Whether a stored run is of the new record's CPU family. A run from before the core design was
+    recorded counts as the same family when its model name and widest instructions match."""
+    if run.get("family", cpu_family(run["machine"])) == record["family"]:
+        return True
+    return "core" not in run["machine"] and cpu_family(run["machine"]) == cpu_family(
+        {**record["machine"], "core": None})
 
 
 def code_version() -> str:
@@ -188,11 +221,12 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def machine_facts() -> dict:
-    """What a figure depends on: CPU model and the SIMD flags that pick torch's kernels, cores,
+    """What a figure depends on: CPU model, core design and the SIMD flags that pick torch's kernels, cores,
     threads, torch and Python versions, and how busy the machine was (read when the run ends)."""
-    model, flags = cpu.name() or platform.machine(), cpu.flags()
+    model, flags, numbers = cpu.name() or platform.machine(), cpu.flags(), cpu.vendor_family_model()
     return {
         "cpu": model,
+        "core": core_design(*numbers) if numbers else None,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
@@ -224,7 +258,7 @@ def write_results(bench: str, argv: list[str], rows: list[dict] | dict[str, list
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{bench}.json"
-    others = [run for run in read_runs(path) if run.get("family", cpu_family(run["machine"])) != record["family"]]
+    others = [run for run in read_runs(path) if not same_family(run, record)]
     tmp = path.with_suffix(".json.tmp")
     text = json.dumps({"bench": bench, "runs": [record, *others]}, indent=1, ensure_ascii=False)
     tmp.write_text(text + "\n", encoding="utf-8")

@@ -69,7 +69,8 @@ ABOUT = {
 def machine_line(machine: dict) -> str:
     flags = ", ".join(machine["cpu_flags"]) or "none of AVX2/AVX-512/AMX"
     busy = f", load average {machine['load_average_1min']}" if "load_average_1min" in machine else ""
-    return (f"{machine['cpu']} ({flags}), {machine['cores']} cores, {machine['threads']} threads, "
+    core = f"{machine['core']}; " if machine.get("core") else ""
+    return (f"{machine['cpu']} ({core}{flags}), {machine['cores']} cores, {machine['threads']} threads, "
             f"torch {machine['torch']}, Python {machine['python']}, {machine['os']}{busy}")
 
 

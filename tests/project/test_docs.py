@@ -290,24 +290,61 @@ def test_a_bench_keeps_the_latest_run_on_each_cpu_family(tmp_path, monkeypatch):
 
     bench_common, render_benchmarks = scripts_module("bench_common"), scripts_module("render_benchmarks")
     real = bench_common.machine_facts()
-    machines = {"zen3": dict(real, cpu="AMD EPYC 7B13", cpu_flags=["avx2"]),
-                "spr": dict(real, cpu="Intel Xeon 8481C", cpu_flags=["avx2", "avx512f", "amx_tile"])}
+    avx512 = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"]
+    machines = {"zen3": dict(real, cpu="AMD EPYC 7B13", core="Zen 3", cpu_flags=["avx2"]),
+                "spr": dict(real, cpu="Intel Xeon 8481C", core="Sapphire Rapids", cpu_flags=["avx2", "avx512f", "amx_tile"]),
+                # a virtual machine names both 'AMD EPYC': only the core design tells them apart
+                "zen4": dict(real, cpu="AMD EPYC", core="Zen 4", cpu_flags=avx512),
+                "zen5": dict(real, cpu="AMD EPYC", core="Zen 5", cpu_flags=avx512)}
 
     def run(machine: str, day: int, value: str) -> None:
         monkeypatch.setattr(bench_common, "machine_facts", lambda: machines[machine])
         started = datetime.datetime(2026, 1, day, tzinfo=datetime.timezone.utc)
         bench_common.write_results("decode", [], [{"mode": "fp32", "tok/s": value}], started, results_dir=tmp_path)
 
+    def stored() -> list[tuple[str, str]]:
+        runs = json.loads((tmp_path / "decode.json").read_text())["runs"]
+        return [(r["family"], r["tables"][""][0]["tok/s"]) for r in runs]
+
     run("zen3", 1, "10.5")
     run("spr", 2, "20.5")
     run("zen3", 3, "11.5")  # replaces the first Zen 3 run, keeps the Xeon's
-    runs = json.loads((tmp_path / "decode.json").read_text())["runs"]
-    assert [(r["family"], r["tables"][""][0]["tok/s"]) for r in runs] == [
-        ("AMD EPYC 7B13, AVX2", "11.5"), ("Intel Xeon 8481C, AMX", "20.5")]
+    assert stored() == [("AMD EPYC 7B13 (Zen 3), AVX2", "11.5"), ("Intel Xeon 8481C (Sapphire Rapids), AMX", "20.5")]
     section = render_benchmarks.render(tmp_path).split("## decode")[1].split("\n## ")[0]
-    assert section.index("### AMD EPYC 7B13, AVX2") < section.index("| fp32 | 11.5 |") < section.index(
-        "### Intel Xeon 8481C, AMX") < section.index("| fp32 | 20.5 |")
+    assert section.index("### AMD EPYC 7B13 (Zen 3), AVX2") < section.index("| fp32 | 11.5 |") < section.index(
+        "### Intel Xeon 8481C (Sapphire Rapids), AMX") < section.index("| fp32 | 20.5 |")
     assert "10.5" not in section and "Run 2026-01-02T00:00:00+00:00" in section
+
+    run("zen4", 4, "30.5")
+    run("zen5", 5, "40.5")
+    assert stored()[:2] == [("AMD EPYC (Zen 5), AVX-512", "40.5"), ("AMD EPYC (Zen 4), AVX-512", "30.5")]
+
+    # a run stored before the core design was recorded is replaced by the next run with its name and flags
+    path = tmp_path / "decode.json"
+    data = json.loads(path.read_text())
+    legacy = next(r for r in data["runs"] if r["machine"]["core"] == "Sapphire Rapids")
+    del legacy["machine"]["core"]
+    legacy["family"] = "Intel Xeon 8481C, AMX"
+    path.write_text(json.dumps(data))
+    run("spr", 6, "21.5")
+    assert sorted(stored()) == [("AMD EPYC (Zen 4), AVX-512", "30.5"), ("AMD EPYC (Zen 5), AVX-512", "40.5"),
+                                ("AMD EPYC 7B13 (Zen 3), AVX2", "11.5"), ("Intel Xeon 8481C (Sapphire Rapids), AMX", "21.5")]
+
+
+def test_the_core_design_comes_from_the_cpuid_numbers(monkeypatch):
+    from gpt2attn import cpu
+
+    bench_common = scripts_module("bench_common")
+    lines = ["processor\t: 0", "vendor_id\t: AuthenticAMD", "cpu family\t: 26", "model\t\t: 2", "model name\t: AMD EPYC"]
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: lines)
+    assert cpu.vendor_family_model() == ("AuthenticAMD", 26, 2)
+    assert bench_common.machine_facts()["core"] == "Zen 5"
+    assert [bench_common.core_design("AuthenticAMD", 25, model) for model in (0x01, 0x11, 0x21, 0x61, 0xA0)] == [
+        "Zen 3", "Zen 4", "Zen 3", "Zen 4", "Zen 4"]
+    assert bench_common.core_design("GenuineIntel", 6, 0x8F) == "Sapphire Rapids"
+    assert bench_common.core_design("GenuineIntel", 6, 0x01) == "family 6 model 1"  # unknown numbers still tell CPUs apart
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: ["Features\t: neon asimd"])  # ARM: no x86 numbers, no core named
+    assert cpu.vendor_family_model() is None and bench_common.machine_facts()["core"] is None
 
 
 @pytest.mark.slow
