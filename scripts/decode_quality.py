@@ -1,6 +1,6 @@
 """What each quantize() mode costs in quality, on the shipped character model through the decoding path.
 
-    python scripts/decode_quality.py [--data TEXT] [--llama-quantize PATH]
+    python scripts/decode_quality.py [--data TEXT] [--llama-quantize PATH [--llama-types q4_K_M,q4_0]]
     # default data: tinyshakespeare from ../shared/data or $GPT2ATTN_SHARED_DATA
 
 The last 10% of the text, every whole block of 128 characters (871 of tinyshakespeare's), fed one
@@ -11,9 +11,11 @@ one sample: what tells two modes' losses apart); the largest logit difference fr
 logits over its largest logit; and whether 64 greedy tokens after a 16-character prompt equal the
 plain model's. Prints a Markdown table with the machine and date.
 
-With --llama-quantize (llama.cpp's binary), one more row: the model written as an f32 GGUF by
-gpt2attn, quantized to q4_K_M by llama.cpp, read back through gpt2attn's GGUF reader (its weights
-dequantized to fp32) and decoded as a plain fp32 model: llama.cpp's 4-bit weights, the bar for q4.
+With --llama-quantize (llama.cpp's binary), a row for each of --llama-types (default q4_K_M): the
+model written as an f32 GGUF by gpt2attn, quantized to that type by llama.cpp, read back through
+gpt2attn's GGUF reader (its weights dequantized to fp32) and decoded as a plain fp32 model:
+llama.cpp's 4-bit weights, the bar for q4 (q4_K_M, the mix q4 follows, and q4_0, the type
+llama.cpp decodes fastest).
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def decoded_logits(model: GPT2LMHeadModel, blocks: torch.Tensor) -> torch.Tensor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=SHAKESPEARE)
-    parser.add_argument("--llama-quantize", help="path of llama.cpp's llama-quantize: add a row for its q4_K_M")
+    parser.add_argument("--llama-quantize", help="path of llama.cpp's llama-quantize: add a row for each of --llama-types")
+    parser.add_argument("--llama-types", default="q4_K_M",
+                        help="comma-separated llama.cpp types llama-quantize makes for their rows (default q4_K_M, "
+                             "the bar for q4; q4_0 is llama.cpp's fastest to decode)")
     args = parser.parse_args(argv)
     text = read_text_file(args.data)
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in MODES]
     tmp = tempfile.TemporaryDirectory()
     if args.llama_quantize:
-        rows.append(("llama.cpp q4_K_M (read as fp32)", lambda: llama_q4_k_m(plain, args.llama_quantize, Path(tmp.name))))
+        rows += [(f"llama.cpp {kind} (read as fp32)",
+                  lambda kind=kind: llama_quantized(plain, args.llama_quantize, Path(tmp.name), kind))
+                 for kind in args.llama_types.split(",")]
     for name, load in rows:
         model = load().eval()
         logits = torch.cat([decoded_logits(model, b) for b in blocks.split(BATCH)])
@@ -94,16 +101,17 @@ def block_losses(logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.transpose(1, 2), blocks[:, 1:], reduction="none").mean(dim=1)
 
 
-def llama_q4_k_m(plain: GPT2LMHeadModel, llama_quantize: str, folder: Path) -> GPT2LMHeadModel:
-    """The model's weights as llama.cpp's q4_K_M, made by llama-quantize from gpt2attn's f32 GGUF
-    and read back through gpt2attn's GGUF reader."""
-    f32, q4 = folder / "model-f32.gguf", folder / "model-q4_K_M.gguf"
-    plain.save_pretrained(folder / "hf")
-    load_tokenizer(DEFAULT_MODEL_DIR).save(str(folder / "hf" / "tokenizer.json"))
-    subprocess.run([sys.executable, "-m", "gpt2attn", "convert", str(folder / "hf"), str(f32), "--dtype", "f32"],
-                   check=True, capture_output=True)
-    subprocess.run([llama_quantize, str(f32), str(q4), "Q4_K_M"], check=True, capture_output=True)
-    return GPT2LMHeadModel.from_pretrained(q4)
+def llama_quantized(plain: GPT2LMHeadModel, llama_quantize: str, folder: Path, kind: str) -> GPT2LMHeadModel:
+    """The model's weights as llama.cpp's `kind` (q4_K_M, q4_0, ...), made by llama-quantize from
+    gpt2attn's f32 GGUF and read back through gpt2attn's GGUF reader."""
+    f32, quantized = folder / "model-f32.gguf", folder / f"model-{kind}.gguf"
+    if not f32.exists():
+        plain.save_pretrained(folder / "hf")
+        load_tokenizer(DEFAULT_MODEL_DIR).save(str(folder / "hf" / "tokenizer.json"))
+        subprocess.run([sys.executable, "-m", "gpt2attn", "convert", str(folder / "hf"), str(f32), "--dtype", "f32"],
+                       check=True, capture_output=True)
+    subprocess.run([llama_quantize, str(f32), str(quantized), kind.upper()], check=True, capture_output=True)
+    return GPT2LMHeadModel.from_pretrained(quantized)
 
 
 if __name__ == "__main__":
