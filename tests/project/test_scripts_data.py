@@ -41,3 +41,20 @@ def test_eval_char_model_reads_the_text_that_gpt2attn_shared_data_points_to(tmp_
     done = run_script("eval_char_model.py", tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"over the last {int(len(text) * 0.1):,} characters" in done.stdout
+
+
+def test_decode_quality_adds_a_row_for_each_llama_type_its_llama_quantize_makes(tmp_path):
+    # a stand-in llama-quantize: copies the f32 GGUF (so each row decodes as fp32 does) and notes the type asked for
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f"#!{sys.executable}\nimport shutil, sys\nshutil.copyfile(sys.argv[1], sys.argv[2])\n"
+                    f"open({str(tmp_path / 'asked.txt')!r}, 'a').write(sys.argv[3] + '\\n')\n")
+    fake.chmod(0o755)
+    text = tmp_path / "text.txt"
+    text.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n" * 60)  # last 10%: 2 blocks of 128
+    done = run_script("decode_quality.py", tmp_path, "--data", str(text), "--llama-quantize", str(fake),
+                      "--llama-types", "q4_K_M,q4_0")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "asked.txt").read_text().split() == ["Q4_K_M", "Q4_0"]
+    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    for kind in ("q4_K_M", "q4_0"):  # the same weights as fp32's: no loss
+        assert rows[f"llama.cpp {kind} (read as fp32)"].split(" | ")[1] == "+0.000% ± 0.000%"
