@@ -343,6 +343,8 @@ def test_the_core_design_comes_from_the_cpuid_numbers(monkeypatch):
         "Zen 3", "Zen 4", "Zen 3", "Zen 4", "Zen 4"]
     assert bench_common.core_design("GenuineIntel", 6, 0x8F) == "Sapphire Rapids"
     assert bench_common.core_design("GenuineIntel", 6, 0x01) == "family 6 model 1"  # unknown numbers still tell CPUs apart
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: [*lines[:3], "model\t\t: unknown"])  # numbers it cannot read: none
+    assert cpu.vendor_family_model() is None
     monkeypatch.setattr(cpu, "_cpuinfo", lambda: ["Features\t: neon asimd"])  # ARM: no x86 numbers, no core named
     assert cpu.vendor_family_model() is None and bench_common.machine_facts()["core"] is None
 
