@@ -67,6 +67,22 @@ class DecodeStep:
         return logits
 
     @torch.no_grad()
+    def greedy(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, key_mask: Tensor | None,
+               eos: Tensor, pad: int, unfinished: Tensor, out: Tensor) -> int:
+        """generate's greedy loop in one call (kernels.decode_greedy): after tokens (B,), each row's
+        argmax into out (B, n), or pad once a row has given one of eos (n,), until out is full or no
+        row is unfinished (B,) bool; tokens, positions (B,) and unfinished are updated in place.
+        Returns how many tokens each row got; the cache advances by as many. Raises ValueError, with
+        the tokens before it kept, for a step the single step would raise for."""
+        logits = torch.empty(tokens.numel(), self.vocab_size, dtype=torch.float32)
+        done, error = kernels.decode_greedy(self.model, tokens, positions, key_mask, cache.length, cache.block, logits,
+                                            out.size(1), eos, pad, unfinished, out)
+        cache.advance(done)
+        if error is not None:
+            raise ValueError(error)
+        return done
+
+    @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden (B, C) fp32 (any strides), final states after ln_f -> logits (B, V) through the head's product
         that every step takes, so a prompt's last logits come from the same kernel as the steps'

@@ -5,7 +5,8 @@ place, `rollback()` forgets rejected draft tokens and `reorder()` moves beams in
 padding the attention mask and the position ids (as transformers derives them) go along.
 
 The Decoder is the one place that picks how a request decodes, once, when it is made: one new
-token per row in one call of gpt2attn.decode_step.DecodeStep when `unfused_reason` finds nothing
+token per row in one call of gpt2attn.decode_step.DecodeStep (or a whole greedy request in one
+call: `greedy`, when the search has nothing to do between tokens) when `unfused_reason` finds nothing
 in the way (a plain fp32 model in eval as it is, or one `quantize()` made), else the model's
 modules, or the model's compiled forward when generate compiles the steps (then on a cache the
 model keeps between requests: `kept_cache`). Prompts and drafts of several tokens always run
@@ -178,6 +179,13 @@ class Decoder:
         for key in self.record:
             self.record[key].append(getattr(out, key))  # per layer: (N, nh, k, T_k) / (N, k, C)
         return (logits if all_positions else logits[:, -1]).float()  # (N, [k,] V)
+
+    def greedy(self, tokens: Tensor, out: Tensor, unfinished: Tensor, eos: Tensor, pad: int) -> int:
+        """The fused step's greedy loop (DecodeStep.greedy; self.step must be there): after tokens
+        (N,), each row's next tokens into out (N, n) until it is full or no row is unfinished (N,)
+        bool (updated in place; eos (n,) ends a row, pad follows). Returns how many tokens each row got."""
+        positions = None if self.positions is None else self._positions(1).reshape(-1).clone()  # (N,)
+        return self.step.greedy(tokens.clone(), self.cache, positions, self.mask, eos, pad, unfinished, out)
 
     def _positions(self, k: int) -> Tensor:
         """Position ids (N, k) of the next k tokens: the prompt's from its mask, then counting on."""

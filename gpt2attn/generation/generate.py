@@ -136,7 +136,10 @@ def generate(
         steps = assisted_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, draft, cfg.num_assistant_tokens
                                 if assistant_model is not None else cfg.prompt_lookup_num_tokens, generator, record)
     else:
-        steps = sample_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, fill, generator, record)
+        # greedy steps that nothing in Python watches run in the kernels' loop (the default request's path)
+        fused = (dec.step is not None and not stream and not cfg.do_sample and not chain and record is None
+                 and not cfg.stop_strings and not stopping_criteria)
+        steps = sample_search(dec, logits, out, prompt.n_ids, cfg, chain, stops, fill, generator, record, fused)
     if stream:
         return steps
     n_new = sum(1 for _ in steps)

@@ -18,9 +18,11 @@ Stops = Callable[[Tensor], Tensor]  # sequences [M, L] -> bool [M]: does the las
 
 
 def sample_search(dec, logits: Tensor, out: Tensor, cur: int, cfg, chain: list[Processor], stops: Stops | None,
-                  pad: int, generator, record: dict | None) -> Iterator[Tensor]:
+                  pad: int, generator, record: dict | None, fused: bool = False) -> Iterator[Tensor]:
     """Greedy (argmax) or sampled tokens until every row stopped or out is full; yields each
-    step's tokens [N]. logits [N, V]: the prompt's last position."""
+    step's tokens [N]. logits [N, V]: the prompt's last position. fused: the tokens after the first
+    are greedy, unprocessed, unrecorded, and stop at eos alone, so they come from the decoder's
+    kernel loop (Decoder.greedy) in one call, with no Python between them, and are yielded after it."""
     N, max_len = out.shape
     unfinished = torch.ones(N, dtype=torch.bool, device=out.device)
     while True:
@@ -43,6 +45,11 @@ def sample_search(dec, logits: Tensor, out: Tensor, cur: int, cfg, chain: list[P
             unfinished &= ~stops(out[:, :cur])
             if not unfinished.any():
                 return
+        if fused:
+            eos = torch.tensor(cfg.eos_ids, dtype=torch.long)
+            n = dec.greedy(tokens, out[:, cur:], unfinished, eos, pad)
+            yield from out[:, cur : cur + n].unbind(1)
+            return
         logits = dec.forward(tokens[:, None])
 
 

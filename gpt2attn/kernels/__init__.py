@@ -216,8 +216,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args, result in [
         ("gpt2attn_product", [ctypes.POINTER(Matrix), p, i64, p, i32], i32),
         ("gpt2attn_quantize_q8", [p, i64, i64, p, p], None),
-        ("gpt2attn_argmax", [p, i64, i64, p], i64),
+        ("gpt2attn_argmax", [p, i64, i64, p], None),
         ("gpt2attn_decode_step", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32], i32),
+        ("gpt2attn_decode_greedy", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32, i64, p, i64, i64, p,
+                                    p, i64, p], i64),
     ]:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = result
@@ -311,9 +313,7 @@ def argmax(scores: Tensor) -> Tensor:
         return scores.argmax(dim=-1)
     x = scores.contiguous()
     out = torch.empty(x.size(0), dtype=torch.int64)
-    if lib.gpt2attn_argmax(_ptr(x), x.size(0), x.size(1), _ptr(out)):
-        nan = out < 0
-        out[nan] = x[nan].argmax(dim=-1)
+    lib.gpt2attn_argmax(_ptr(x), x.size(0), x.size(1), _ptr(out))
     return out
 
 
@@ -413,3 +413,28 @@ def decode_step(model: Model, ids: Tensor, positions: Tensor | None, key_mask: T
                                             pos, _ptr(kv), kv.size(4), _ptr(logits), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"decode_step: {STEP_ERRORS[status]} (nothing computed)")
+
+
+def decode_greedy(model: Model, tokens: Tensor, positions: Tensor | None, key_mask: Tensor | None, pos: int,
+                  kv: Tensor, logits: Tensor, steps: int, eos: Tensor, pad: int, unfinished: Tensor,
+                  out: Tensor) -> tuple[int, str | None]:
+    """generate's greedy loop in decode.cpp, up to `steps` tokens in one call: each time decode_step
+    of tokens (B,) at pos (and on), then each row's argmax (as `argmax`), or pad for a row that
+    unfinished (B,) bool marks False when eos (n,) int64 holds ids, into out (B, steps) (any row
+    stride); a row whose token is in eos is finished; the loop ends early when none is unfinished.
+    tokens, positions and unfinished are updated in place (the last tokens fed, their positions, the
+    finished rows). Returns how many tokens each row got (the cache holds that many more entries) and
+    None, or with the step that could not be taken (sizes, ids or positions out of range; the loop
+    ended before it) what decode_step would have raised for it."""
+    for t, dtype in ((tokens, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
+                     (logits, torch.float32), (eos, torch.int64), (unfinished, torch.bool)):
+        assert t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+    B = tokens.numel()
+    assert out.dtype == torch.int64 and out.size(0) == B and out.size(1) >= steps and out.stride(1) == 1
+    assert key_mask is None or key_mask.shape == (B, kv.size(4))
+    status = ctypes.c_int32(0)
+    done = library().gpt2attn_decode_greedy(ctypes.byref(model), _ptr(tokens), _ptr(positions), _ptr(key_mask), B, pos,
+                                            _ptr(kv), kv.size(4), _ptr(logits), torch.get_num_threads(), steps, _ptr(eos),
+                                            eos.numel(), pad, _ptr(unfinished), _ptr(out), out.stride(0),
+                                            ctypes.byref(status))
+    return done, None if status.value == 0 else f"decode_step: {STEP_ERRORS[status.value]} (after {done} tokens)"

@@ -536,99 +536,86 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
     }
 }
 
-}  // namespace
+// The largest of n values and the index of its first occurrence (plus offset), or the index of the
+// first NaN (nan) where they hold one, as torch's argmax picks; index -1 for no values.
+struct Top {
+    float value;
+    int64_t index;
+    bool nan;
+};
 
-extern "C" {
-
-// y (B, N) = x (B, K) . W + bias on `threads` threads (more than TILE_ROWS rows of fp32 or 16-bit
-// weights: prompt_tiles). Returns 0, or -1 (and computes nothing)
-// for a kind it does not know or a quantized matrix whose K is not a multiple of its blocks.
-int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int threads) {
-    if (!is_kind(W->kind) || W->K % k_multiple(W->kind) != 0) return -1;
-    if (B > TILE_ROWS && W->kind <= ROWS_BF16) {  // a prompt, fp32 or 16-bit weights
-#pragma omp parallel num_threads(threads)
-        prompt_tiles(*W, x, B, y);
-        return 0;
+Top top_of(const float* p, int64_t n, int64_t offset = 0) {
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        top = _mm256_max_ps(top, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K, W->kind == ROWS_Q4K);
-#pragma omp parallel num_threads(threads)
-    products.product(*W, x, y, W->N, STORE);
-    return 0;
-}
-
-// out[r] = the index of the largest of row r's n values of x (rows n apart), the first of equal
-// ones, as torch's argmax gives it; -1 where the row holds a NaN (torch gives the first NaN's index:
-// the caller's to find). Returns how many rows hold one. Eight values a step, where torch's CPU
-// argmax reads one (gpt2-small's 50257 logits: 44 us, 2026-11-27, AMD EPYC Zen 4).
-int64_t gpt2attn_argmax(const float* x, int64_t rows, int64_t n, int64_t* out) {
-    int64_t nans = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const float* p = x + r * n;
-        __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const __m256 v = _mm256_loadu_ps(p + i);
-            top = _mm256_max_ps(top, v);
-            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        float lanes[8], best = -INFINITY;
-        _mm256_storeu_ps(lanes, top);
-        for (float v : lanes) best = v > best ? v : best;
-        bool nan = _mm256_movemask_ps(unordered) != 0;
-        for (; i < n; i++) nan |= std::isnan(p[i]), best = p[i] > best ? p[i] : best;
-        if (nan) {
-            out[r] = -1, nans++;
-            continue;
-        }
-        const __m256 wanted = _mm256_set1_ps(best);
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), wanted, _CMP_EQ_OQ));
-            if (hits) break;
-        }
-        while (p[j] != best) j++;  // within the eight found, or in the tail
-        out[r] = j;
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (float v : lanes) best = v > best ? v : best;
+    bool nan = _mm256_movemask_ps(unordered) != 0;
+    for (; i < n; i++) nan |= std::isnan(p[i]), best = p[i] > best ? p[i] : best;
+    if (n == 0) return {best, -1, false};
+    int64_t j = 0;
+    if (nan) {
+        while (!std::isnan(p[j])) j++;
+        return {NAN, offset + j, true};
     }
-    return nans;
+    const __m256 wanted = _mm256_set1_ps(best);
+    for (; j + 8 <= n; j += 8)
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), wanted, _CMP_EQ_OQ))) break;
+    while (p[j] != best) j++;  // within the eight found, or in the tail
+    return {best, offset + j, false};
 }
 
-// x (B, K), K a multiple of 32 -> xq (B, K) int8 and xs (B, K/32): per block scale = max|x|/127,
-// xq = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
-void gpt2attn_quantize_q8(const float* x, int64_t B, int64_t K, int8_t* xq, float* xs) {
-    gpt2attn::quantize_q8(x, B * K / 32, xq, xs);
+// Of a and b, b's values coming after a's: the one torch's argmax of both together would pick.
+inline Top better(const Top& a, const Top& b) {
+    if (a.nan || b.index < 0) return a;
+    return b.nan || a.index < 0 || b.value > a.value ? b : a;
 }
 
-// logits (B, V) of the tokens after ids (B), at positions (B) (null: pos for every row), each
-// row's cache holding pos entries, of which key_mask (B, capacity) (null: all) marks those to
-// attend to; writes the new keys and values into kv (n_layer, 2, B, nh, capacity, hs) at index pos.
-// Returns 0, or (computing nothing) -1 when a matrix's sizes or kind do not fit the model's (the
-// buffers assume them), -2 for an id outside the vocabulary, -3 for a position past the model's
-// or an index past the cache's.
-int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* positions, const int64_t* key_mask,
-                          int64_t B, int64_t pos, float* kv, int64_t capacity, float* logits, int threads) {
-    const Model& m = *model;
-    const int64_t C = m.n_embd, nh = m.n_head, hs = C / nh, inner = m.n_inner, V = m.vocab_size;
-    auto fits = [](const Matrix& w, int64_t K, int64_t N) {
+// Whether every matrix has the sizes and a kind the step's buffers assume (the head is rows: no partials of V).
+bool fits(const Model& m) {
+    const int64_t C = m.n_embd, inner = m.n_inner;
+    auto shaped = [](const Matrix& w, int64_t K, int64_t N) {
         return w.K == K && w.N == N && is_kind(w.kind) && K % k_multiple(w.kind) == 0;
     };
-    bool ok = fits(m.lm_head, C, V) && m.lm_head.kind != COLS_F32 && hs * nh == C;  // the head is rows: no partials of V
+    bool ok = shaped(m.lm_head, C, m.vocab_size) && m.lm_head.kind != COLS_F32 && C / m.n_head * m.n_head == C;
     for (int64_t l = 0; l < m.n_layer; l++) {
         const Layer& L = m.layers[l];
-        ok = ok && fits(L.c_attn, C, 3 * C) && fits(L.attn_proj, C, C) && fits(L.c_fc, C, inner) && fits(L.mlp_proj, inner, C);
+        ok = ok && shaped(L.c_attn, C, 3 * C) && shaped(L.attn_proj, C, C) && shaped(L.c_fc, C, inner) && shaped(L.mlp_proj, inner, C);
     }
-    if (!ok) return -1;
+    return ok;
+}
+
+// 0, -2 for an id outside the vocabulary, -3 for a position past the model's or an index past the cache's.
+int check_step(const Model& m, const int64_t* ids, const int64_t* positions, int64_t B, int64_t pos, int64_t capacity) {
     for (int64_t b = 0; b < B; b++) {
-        if (ids[b] < 0 || ids[b] >= V) return -2;
+        if (ids[b] < 0 || ids[b] >= m.vocab_size) return -2;
         if ((positions ? positions[b] : pos) < 0 || (positions ? positions[b] : pos) >= m.n_positions) return -3;
     }
-    if (pos < 0 || pos >= capacity) return -3;
-    const int64_t widest = 3 * C > inner ? 3 * C : inner;
-    Products products(B, threads, widest, V > widest ? V : widest, inner > C ? inner : C, true);
-    std::vector<float> x(B * C), qkv(B * 3 * C), att(B * C), f(B * inner);  // residual, ...
-    std::vector<float> h(threads * B * C), scores(threads * (pos + 1));  // each thread's normed rows, scores
+    return pos < 0 || pos >= capacity ? -3 : 0;
+}
 
-#pragma omp parallel num_threads(threads)
-    {
+// One decoding step of B rows: its buffers, shared by the threads of one parallel region, each of
+// which calls run().
+struct Step {
+    const Model& m;
+    const int64_t B, C, nh, hs, inner, V;
+    Products products;
+    std::vector<float> x, qkv, att, f;  // (B, C) residual, (B, 3C) q k v, (B, C) attention, (B, inner) mlp
+    std::vector<float> h, scores;       // each thread's normed rows (B, C) and attention scores (max_pos + 1)
+
+    Step(const Model& model, int64_t rows, int threads, int64_t max_pos)
+        : m(model), B(rows), C(m.n_embd), nh(m.n_head), hs(C / nh), inner(m.n_inner), V(m.vocab_size),
+          products(B, threads, std::max(3 * C, inner), std::max({3 * C, inner, V}), std::max(inner, C), true),
+          x(B * C), qkv(B * 3 * C), att(B * C), f(B * inner), h(threads * B * C), scores(threads * (max_pos + 1)) {}
+
+    // ids (B) at positions (B) (null: pos), as gpt2attn_decode_step; ends in a barrier.
+    void run(const int64_t* ids, const int64_t* positions, const int64_t* key_mask, int64_t pos, float* kv,
+             int64_t capacity, float* logits) {
         // Every thread normalizes every row for itself (a few microseconds), so no barrier stands
         // between a product and the LayerNorm before the next: each product ends in one, after
         // which x is whole, and the next write to x comes after two more.
@@ -663,7 +650,107 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
         norm(m.ln_f_weight, m.ln_f_bias);
         products.product(m.lm_head, normed, logits, V, STORE);  // (B, V)
     }
+};
+
+}  // namespace
+
+extern "C" {
+
+// y (B, N) = x (B, K) . W + bias on `threads` threads (more than TILE_ROWS rows of fp32 or 16-bit
+// weights: prompt_tiles). Returns 0, or -1 (and computes nothing)
+// for a kind it does not know or a quantized matrix whose K is not a multiple of its blocks.
+int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int threads) {
+    if (!is_kind(W->kind) || W->K % k_multiple(W->kind) != 0) return -1;
+    if (B > TILE_ROWS && W->kind <= ROWS_BF16) {  // a prompt, fp32 or 16-bit weights
+#pragma omp parallel num_threads(threads)
+        prompt_tiles(*W, x, B, y);
+        return 0;
+    }
+    Products products(B, threads, W->kind == COLS_F32 ? W->N : 0, W->N, W->K, W->kind == ROWS_Q4K);
+#pragma omp parallel num_threads(threads)
+    products.product(*W, x, y, W->N, STORE);
     return 0;
+}
+
+// out[r] = torch's argmax of row r's n values of x (rows n apart): the index of the largest, the first
+// of equal ones, or of the first NaN where the row holds one. Eight values a step, where torch's CPU
+// argmax reads one (gpt2-small's 50257 logits: 44 us, 2026-11-27, AMD EPYC Zen 4).
+void gpt2attn_argmax(const float* x, int64_t rows, int64_t n, int64_t* out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = top_of(x + r * n, n).index;
+}
+
+// x (B, K), K a multiple of 32 -> xq (B, K) int8 and xs (B, K/32): per block scale = max|x|/127,
+// xq = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
+void gpt2attn_quantize_q8(const float* x, int64_t B, int64_t K, int8_t* xq, float* xs) {
+    gpt2attn::quantize_q8(x, B * K / 32, xq, xs);
+}
+
+// logits (B, V) of the tokens after ids (B), at positions (B) (null: pos for every row), each
+// row's cache holding pos entries, of which key_mask (B, capacity) (null: all) marks those to
+// attend to; writes the new keys and values into kv (n_layer, 2, B, nh, capacity, hs) at index pos.
+// Returns 0, or (computing nothing) -1 when a matrix's sizes or kind do not fit the model's (the
+// buffers assume them), -2 for an id outside the vocabulary, -3 for a position past the model's
+// or an index past the cache's.
+int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* positions, const int64_t* key_mask,
+                          int64_t B, int64_t pos, float* kv, int64_t capacity, float* logits, int threads) {
+    if (!fits(*model)) return -1;
+    if (const int status = check_step(*model, ids, positions, B, pos, capacity)) return status;
+    Step step(*model, B, threads, pos);
+#pragma omp parallel num_threads(threads)
+    step.run(ids, positions, key_mask, pos, kv, capacity, logits);
+    return 0;
+}
+
+// generate's greedy loop, up to `steps` tokens, in one parallel region: each time the step of
+// tokens (B) (in: each row's last token; out: the last fed) at pos + s (positions (B), null: the
+// cache's length, count on by one), then each row's argmax as gpt2attn_argmax gives it, or pad for a
+// row that unfinished (B) marks 0 when eos (n_eos ids) are given, written to out[b * out_stride + s];
+// a row whose token is one of eos is finished (unfinished[b] = 0), and the loop ends early when no
+// row is unfinished. logits (B, V): the last step's. Returns how many tokens each row got (the cache
+// holds as many more entries); a step that would not fit (decode_step's status: -1 for the first, the
+// model; -2, -3 for any, an id or a position out of range) is not taken, the loop ends before it and
+// its status goes to *status (else 0), so the caller can raise as the step would have.
+int64_t gpt2attn_decode_greedy(const Model* model, int64_t* tokens, int64_t* positions, const int64_t* key_mask,
+                               int64_t B, int64_t pos, float* kv, int64_t capacity, float* logits, int threads,
+                               int64_t steps, const int64_t* eos, int64_t n_eos, int64_t pad, uint8_t* unfinished,
+                               int64_t* out, int64_t out_stride, int32_t* status) {
+    const Model& m = *model;
+    *status = fits(m) ? check_step(m, tokens, positions, B, pos, capacity) : -1;
+    if (*status) return 0;
+    const int64_t V = m.vocab_size;
+    Step step(m, B, threads, pos + steps - 1);
+    std::vector<Top> tops(threads * B);  // (threads, B): each thread's best of its share of every row
+    int64_t done = 0;                    // tokens written to every row
+    bool stop = false;
+#pragma omp parallel num_threads(threads)
+    while (!stop) {
+        step.run(tokens, positions, key_mask, pos + done, kv, capacity, logits);  // ends in a barrier
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t v0 = V * t / T, v1 = V * (t + 1) / T;
+        for (int64_t b = 0; b < B; b++) tops[t * B + b] = top_of(logits + b * V + v0, v1 - v0, v0);
+#pragma omp barrier
+#pragma omp single
+        {
+            bool any = false;
+            for (int64_t b = 0; b < B; b++) {
+                Top best = tops[b];  // the threads' shares in order: the first of equal values, the first NaN
+                for (int u = 1; u < T; u++) best = better(best, tops[u * B + b]);
+                int64_t token = best.index;
+                if (n_eos && !unfinished[b]) token = pad;
+                out[b * out_stride + done] = token;
+                tokens[b] = token;
+                if (n_eos) {
+                    for (int64_t e = 0; e < n_eos; e++) unfinished[b] &= token != eos[e];
+                    any |= unfinished[b] != 0;
+                }
+                if (positions) positions[b]++;
+            }
+            done++;
+            stop = done == steps || (n_eos && !any);
+            if (!stop && (*status = check_step(m, tokens, positions, B, pos + done, capacity))) stop = true;
+        }  // implicit barrier: every thread sees the tokens and stop
+    }
+    return done;
 }
 
 }  // extern "C"

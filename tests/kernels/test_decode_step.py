@@ -47,8 +47,16 @@ def both_ways(model, B, prompt_len=6, capacity=16):
 
 
 def count_steps(monkeypatch) -> list:
+    """A list that gets an entry for each step the kernels take: one a DecodeStep call, one a token
+    of the greedy loop's (DecodeStep.greedy)."""
     calls = []
     monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a, f=DecodeStep.__call__: calls.append(1) or f(self, *a))
+
+    def greedy(self, *args, f=DecodeStep.greedy):
+        n = f(self, *args)
+        calls.extend([1] * n)
+        return n
+    monkeypatch.setattr(DecodeStep, "greedy", greedy)
     return calls
 
 
@@ -329,3 +337,120 @@ def test_a_matrix_that_does_not_fit_or_an_id_outside_the_vocabulary_is_refused_b
     with pytest.raises(ValueError, match="do not fit"):
         step(torch.tensor([[3]]), cache)
     assert cache.length == 0 and not cache.block.any()
+
+
+# generate's greedy loop in one kernel call (DecodeStep.greedy): the request nothing in Python
+# watches (greedy, no processors, no scores, stops at eos alone) takes it; its tokens are those of
+# the loop in Python over single steps, which a stopping criterion that never stops forces.
+
+NEVER = [lambda sequences, scores: torch.zeros(sequences.size(0), dtype=torch.bool)]
+
+
+def count_calls(monkeypatch) -> dict:
+    """How many times generate called DecodeStep.greedy and DecodeStep.__call__."""
+    calls = {"greedy": 0, "step": 0}
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a, f=DecodeStep.__call__: calls.update(
+        step=calls["step"] + 1) or f(self, *a))
+    monkeypatch.setattr(DecodeStep, "greedy", lambda self, *a, f=DecodeStep.greedy: calls.update(
+        greedy=calls["greedy"] + 1) or f(self, *a))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", MODES + ["q4"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_greedy_request_decodes_in_one_kernel_call_with_the_tokens_of_single_steps(mode, B, monkeypatch):
+    model = model_for(mode, n_embd=256) if mode == "q4" else model_for(mode)  # q4 needs widths in blocks of 256
+    ids = torch.randint(1, 203, (B, 6), generator=torch.Generator().manual_seed(B))
+    mask = torch.ones(B, 6, dtype=torch.long)
+    mask[1:, :2] = 0  # left padding in every row but the first: positions and masked keys go along
+    calls = count_calls(monkeypatch)
+    with num_threads(2):
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
+        eos = next(int(t) for t in free[0, 7:] if t != free[0, 6])  # row 0's first new token other than its first
+        for eos_ids in (None, eos, [eos, int(free[-1, 6 + 4])]):
+            calls.update(greedy=0, step=0)
+            fused = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=eos_ids, pad_token_id=0)
+            assert calls == {"greedy": 1, "step": 0}, eos_ids
+            single = model.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=eos_ids, pad_token_id=0,
+                                    stopping_criteria=NEVER)
+            assert calls["step"] == single.size(1) - 7 and calls["greedy"] == 1
+            assert torch.equal(fused, single), eos_ids
+            if eos_ids == eos:  # row 0 ended at its first eos: pad after it, or the request ended there
+                end = 6 + int((fused[0, 6:] == eos).nonzero()[0])
+                assert end > 6 and (fused[0, end + 1 :] == 0).all()
+                assert fused.size(1) == 30 or bool((fused[:, 6:] == eos).any(dim=1).all())
+
+
+@needs_kernels
+def test_the_greedy_loop_leaves_the_cache_as_single_steps_do_at_gpt2_s_vocabulary():
+    """Decoder.greedy against the same decoder stepped by forward + kernels.argmax: tokens,
+    every cached key and value, the cache's length, and rows finished by eos, on 2 threads."""
+    model = model_for("int8", vocab_size=50257)
+    ids = torch.randint(0, 50257, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), num_threads(2):
+        decs = [D.Decoder(model, 2, 5 + 16, "cpu") for _ in range(2)]
+        first = [kernels.argmax(dec.forward(ids)) for dec in decs][0]  # (2,)
+        out = torch.full((2, 15), -1)
+        expected = [first]
+        for _ in range(15):
+            expected.append(kernels.argmax(decs[1].forward(expected[-1][:, None])))
+        expected = torch.stack(expected[1:], dim=1)  # (2, 15)
+        eos = torch.tensor([int(expected[0, 20 // 3])])  # ends row 0 (at its first occurrence)
+        unfinished = torch.ones(2, dtype=torch.bool)
+        n = decs[0].greedy(first, out, unfinished, torch.tensor([], dtype=torch.long), 0)
+        assert n == 15 and torch.equal(out, expected) and unfinished.all()
+        assert decs[0].length == decs[1].length == 5 + 15 and torch.equal(decs[0].cache.block, decs[1].cache.block)
+        # again, row 0 ending at eos: pad (7) after it, while row 1 goes on
+        decs[0].rollback(5)
+        out.fill_(-1)
+        n = decs[0].greedy(first, out, unfinished, eos, 7)
+        stop = int((expected[0] == eos).nonzero()[0])
+        assert n == 15 and torch.equal(out[1], expected[1]) and torch.equal(out[0, : stop + 1], expected[0, : stop + 1])
+        assert (out[0, stop + 1 :] == 7).all() and unfinished.tolist() == [False, int(eos) not in expected[1]]
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_greedy_loop_picks_the_first_of_equal_logits_and_the_first_nan_across_the_threads_shares(threads):
+    """With ln_f's gain 0 and its bias e_0, every logit is wte[:, 0] at every step, so the loop's
+    picks are known: the first of two equal largest values that lie in different threads' shares of
+    the 50257, or the first NaN, behind a larger finite value, as torch.argmax picks (the NaN's
+    embedding then makes every later logit NaN: token 0)."""
+    model = model_for("plain", vocab_size=50257)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()[0] = 1.0
+        wte = model.transformer.wte.weight
+        wte[:, 0] = torch.linspace(-1, 1, 50257).flip(0)  # largest first: token 0 unless changed below
+        wte[[100, 40000], 0] = 5.0  # equal, 100 in the first thread's share, 40000 in the last's
+
+    def loop() -> list[int]:  # six tokens of the greedy loop alone, after token 7 (no first pick in Python)
+        dec = D.Decoder(model, 1, 3 + 6, "cpu")
+        out = torch.full((1, 6), -1)
+        with torch.no_grad():
+            dec.forward(torch.tensor([[1, 2, 3]]))
+            assert dec.greedy(torch.tensor([7]), out, torch.ones(1, dtype=torch.bool), torch.tensor([], dtype=torch.long), 0) == 6
+        return out[0].tolist()
+
+    with num_threads(threads):
+        assert loop() == [100] * 6 == [int(torch.argmax(wte[:, 0]))] * 6
+        with torch.no_grad():
+            wte[45000, 0] = float("nan")
+        assert loop() == [45000] + [0] * 5 and int(torch.argmax(wte[:, 0])) == 45000
+        ids = torch.tensor([[1, 2, 3]])
+        assert torch.equal(model.generate(ids, max_new_tokens=6, eos_token_id=None),
+                           model.generate(ids, max_new_tokens=6, eos_token_id=None, stopping_criteria=NEVER))
+
+
+@needs_kernels
+def test_a_token_the_greedy_loop_cannot_feed_raises_as_the_single_step_does():
+    """A negative pad_token_id fed after a row's eos: ValueError from both loops, at the same token."""
+    model = model_for("int8")
+    ids = torch.randint(1, 203, (2, 5), generator=torch.Generator().manual_seed(9))
+    free = model.generate(ids, max_new_tokens=20, eos_token_id=None)
+    eos = int(free[0, 5 + 2])
+    assert eos not in free[1, 5:8]  # row 1 goes on after row 0 ends: row 0 is fed the pad
+    for criteria in (None, NEVER):
+        with pytest.raises(ValueError, match="a token id outside the vocabulary"):
+            model.generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=-1, stopping_criteria=criteria)
