@@ -27,8 +27,9 @@ reading its share as 8 streams) and by torch's sum (the fastest counts; the rate
 thread is printed beside it, the limit these benchmarks used before 2026-11-26), and the blocks' 48 matrix products of each PREFILL length alone through
 torch.mm in fp32 (MKL): the most any prefill built on torch's matrix products can reach. Prints per precision the medians over rounds (min-max in brackets),
 ours/llama.cpp ratios, and tok/s as a fraction of the limit read rate / bytes read per token
-(the weight matrices in that precision; KV cache and embedding rows left out; for q4 and q4_K_M,
-which mix types, the bytes of the matrices as held: our layers' tensors, the GGUF file's tensor table).
+(the weight matrices in that precision, embedding rows left out; for q4 and q4_K_M, which mix
+types, the bytes of the matrices as held: our layers' tensors, the GGUF file's tensor table), and
+beside it with the KV cache each timed step reads added (kv_bytes_per_token).
 The raw rows also come out as one JSON line (`RESULTS [...]`); `run()` returns them and the table's rows.
 """
 
@@ -133,6 +134,15 @@ def llama_quantize(binary: str, source: Path, target: Path, kind: str) -> None:
     done = subprocess.run([binary, str(source), str(target), kind.upper()], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{binary} {source} {target} {kind.upper()} failed:\n{done.stderr[-2000:]}")
+
+
+def kv_bytes_per_token(cfg: GPT2Config, side: str, prompt: int, new: int) -> float:
+    """The cached keys and values a timed decoding step reads, on average over the timed steps: ours
+    are generate's NEW - 1 steps after the first token, the i-th attending to PROMPT + i entries of
+    an fp32 cache; llama-bench's tg runs NEW steps with no prompt, the j-th attending to j entries of
+    its f16 cache (the least it can read: its kernels may read a padded view)."""
+    entries, size = (prompt + new / 2, 4) if side == "ours" else ((new + 1) / 2, 2)
+    return entries * cfg.n_layer * 2 * cfg.n_embd * size
 
 
 def best_of(fn, repeats: int) -> float:
@@ -253,6 +263,11 @@ def run(args) -> tuple[list[dict], list[dict]]:
             fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, beside[(mode, side)])]
             row["fraction_of_limit"] = statistics.median(fractions)
             row["fraction_of_limit_range"] = [min(fractions), max(fractions)]
+            # the KV cache each timed step also reads, on average over them (see kv_bytes_per_token)
+            row["kv_bytes_per_token"] = kv = kv_bytes_per_token(cfg, side, args.prompt, args.new)
+            fractions = [tok_s * (nbytes + kv) / near for tok_s, near in zip(decodes, beside[(mode, side)])]
+            row["fraction_of_limit_with_kv"] = statistics.median(fractions)
+            row["fraction_of_limit_with_kv_range"] = [min(fractions), max(fractions)]
             row["read_rate_beside_gb_s"] = [near / 1e9 for near in beside[(mode, side)]]
             rows.append(row)
         o, l = rows[-2], rows[-1]
@@ -260,7 +275,10 @@ def run(args) -> tuple[list[dict], list[dict]]:
             cells = {"precision": name, "decode tok/s": _cell(r, "decode"),
                      "decode vs llama.cpp": f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x" if r is o else "",
                      "of limit": f"{r['fraction_of_limit']:.0%} [{r['fraction_of_limit_range'][0]:.0%}-"
-                                 f"{r['fraction_of_limit_range'][1]:.0%}]"}
+                                 f"{r['fraction_of_limit_range'][1]:.0%}]",
+                     "of limit, weights + KV": f"{r['fraction_of_limit_with_kv']:.0%} "
+                                              f"[{r['fraction_of_limit_with_kv_range'][0]:.0%}-"
+                                              f"{r['fraction_of_limit_with_kv_range'][1]:.0%}]"}
             for t in lengths:
                 cells[f"prefill {t} tok/s"] = _cell(r, f"prefill {t}")
                 cells[f"prefill {t} vs llama.cpp"] = (f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x"
@@ -277,7 +295,11 @@ def run(args) -> tuple[list[dict], list[dict]]:
     for cells in shown:
         print("| " + " | ".join(cells.values()) + " |")
     print(f"read rate {rate / 1e9:.1f} GB/s (end of each round); 'of limit': each round's decode tok/s x bytes per "
-          "token / the read rate measured just before and after it (the faster), median over rounds [min-max]")
+          "token / the read rate measured just before and after it (the faster), median over rounds [min-max]; "
+          "bytes per token: the weight matrices, and in 'weights + KV' also the cached keys and values each timed "
+          "step reads (ours: fp32, the prompt's and the new tokens', "
+          f"{kv_bytes_per_token(cfg, 'ours', args.prompt, args.new) / 1e6:.2f} MB a token on average; llama-bench's "
+          f"tg: f16, no prompt, {kv_bytes_per_token(cfg, 'llama.cpp', args.prompt, args.new) / 1e6:.2f} MB)")
     print("prefill's ceiling through torch's matrix products: the blocks' 48 fp32 products of a T-token prompt "
           "alone (torch.mm, MKL; no attention, LayerNorm or head), tok/s (the table's last row): "
           + ", ".join(f"T={t}: {v:.0f}" for t, v in floors.items()))
