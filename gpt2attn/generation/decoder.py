@@ -5,7 +5,7 @@ place, `rollback()` forgets rejected draft tokens and `reorder()` moves beams in
 padding the attention mask and the position ids (as transformers derives them) go along.
 
 The Decoder is the one place that picks how a request decodes, once, when it is made: one new
-token per row in one call of gpt2attn.decode_step.DecodeStep (or a whole greedy request in one
+token per row in one call of gpt2attn.decode_step.DecodeStep (or a greedy request's tokens, 16 a
 call: `greedy`, when the search has nothing to do between tokens) when `unfused_reason` finds nothing
 in the way (a plain fp32 model in eval as it is, or one `quantize()` made), else the model's
 modules, or the model's compiled forward when generate compiles the steps (then on a cache the

@@ -422,8 +422,8 @@ def decode_greedy(model: Model, tokens: Tensor, positions: Tensor | None, key_ma
     of tokens (B,) at pos (and on), then each row's argmax (as `argmax`), or pad for a row that
     unfinished (B,) bool marks False when eos (n,) int64 holds ids, into out (B, steps) (any row
     stride); a row whose token is in eos is finished; the loop ends early when none is unfinished.
-    tokens, positions and unfinished are updated in place (the last tokens fed, their positions, the
-    finished rows). Returns how many tokens each row got (the cache holds that many more entries) and
+    tokens, positions and unfinished are updated in place (the last tokens written, the next
+    positions, the finished rows). Returns how many tokens each row got (the cache holds that many more entries) and
     None, or with the step that could not be taken (sizes, ids or positions out of range; the loop
     ended before it) what decode_step would have raised for it."""
     for t, dtype in ((tokens, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),

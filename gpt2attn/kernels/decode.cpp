@@ -702,7 +702,7 @@ int gpt2attn_decode_step(const Model* model, const int64_t* ids, const int64_t* 
 }
 
 // generate's greedy loop, up to `steps` tokens, in one parallel region: each time the step of
-// tokens (B) (in: each row's last token; out: the last fed) at pos + s (positions (B), null: the
+// tokens (B) (in: each row's last token; out: the last written) at pos + s (positions (B), null: the
 // cache's length, count on by one), then each row's argmax as gpt2attn_argmax gives it, or pad for a
 // row that unfinished (B) marks 0 when eos (n_eos ids) are given, written to out[b * out_stride + s];
 // a row whose token is one of eos is finished (unfinished[b] = 0), and the loop ends early when no
