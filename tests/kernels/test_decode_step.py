@@ -456,3 +456,22 @@ def test_a_token_the_greedy_loop_cannot_feed_raises_as_the_single_step_does():
     for criteria in (None, NEVER):
         with pytest.raises(ValueError, match="a token id outside the vocabulary"):
             model.generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=-1, stopping_criteria=criteria)
+
+
+@needs_kernels
+def test_a_request_whose_rows_all_end_on_the_last_token_of_a_kernel_call_ends_there():
+    """eos as the 17th new token (the first from Python, then FUSED_TOKENS from one call): the
+    request ends with it, as the loop over single steps does, with no call for a column of pad."""
+    model = model_for("int8")
+    with num_threads(2):
+        for seed in range(100):  # a prompt whose 17th new token has not come before
+            ids = torch.randint(1, 203, (1, 6), generator=torch.Generator().manual_seed(seed))
+            free = model.generate(ids, max_new_tokens=24, eos_token_id=None)
+            if free[0, 6 + FUSED_TOKENS] not in free[0, 6 : 6 + FUSED_TOKENS]:
+                break
+        else:
+            pytest.fail("no prompt of 100 gives a new 17th token")
+        eos = int(free[0, 6 + FUSED_TOKENS])
+        fused = model.generate(ids, max_new_tokens=24, eos_token_id=eos)
+        assert fused.size(1) == 6 + FUSED_TOKENS + 1 and torch.equal(fused, free[:, : 6 + FUSED_TOKENS + 1])
+        assert torch.equal(fused, model.generate(ids, max_new_tokens=24, eos_token_id=eos, stopping_criteria=NEVER))
