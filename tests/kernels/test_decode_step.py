@@ -340,7 +340,7 @@ def test_a_matrix_that_does_not_fit_or_an_id_outside_the_vocabulary_is_refused_b
     assert cache.length == 0 and not cache.block.any()
 
 
-# generate's greedy loop in one kernel call (DecodeStep.greedy): the request nothing in Python
+# generate's greedy loop, FUSED_TOKENS a kernel call (DecodeStep.greedy): the request nothing in Python
 # watches (greedy, no processors, no scores, stops at eos alone) takes it; its tokens are those of
 # the loop in Python over single steps, which a stopping criterion that never stops forces.
 
@@ -360,7 +360,7 @@ def count_calls(monkeypatch) -> dict:
 @needs_kernels
 @pytest.mark.parametrize("mode", MODES + ["q4"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_a_greedy_request_decodes_in_one_kernel_call_with_the_tokens_of_single_steps(mode, B, monkeypatch):
+def test_a_greedy_request_decodes_in_the_kernels_loop_with_the_tokens_of_single_steps(mode, B, monkeypatch):
     model = model_for(mode, n_embd=256) if mode == "q4" else model_for(mode)  # q4 needs widths in blocks of 256
     ids = torch.randint(1, 203, (B, 6), generator=torch.Generator().manual_seed(B))
     mask = torch.ones(B, 6, dtype=torch.long)
