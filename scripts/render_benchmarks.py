@@ -46,8 +46,8 @@ ABOUT = {
               "before 2026-11-28: the median decode over the median of the rounds' read rates); bytes per token are the "
               "weight matrices', and in \"weights + KV\" (runs from 2026-11-28 14:00 UTC on) also the cached keys and "
               "values each timed step reads (ours fp32 after a 32-token prompt, llama-bench's f16 without one); the read "
-              "rate is that of a buffer the size of the fp32 weights, so a smaller precision whose weights partly stay in "
-              "the CPU's last-level cache between steps can exceed 100%; the read rate is measured on "
+              "rate is that of a buffer the size of the fp32 weights (so a smaller precision whose weights partly stay in "
+              "the CPU's last-level cache between steps can exceed 100%), measured on "
               "2 MiB pages from the run of 2026-11-28 05:56 UTC on, on 4 kB pages before (which read up to 30% slower; see "
               "[Fast CPU decoding](cpu-decoding.md)). Runs on other CPU families "
               "are older code (their commit is named): they show each family's ratios, not today's code's.",

@@ -398,6 +398,12 @@ STEP_ERRORS = {-1: "a weight matrix's sizes or kind do not fit the model's", -2:
                -3: "a position past the model's n_positions or the cache's capacity"}
 
 
+def _check_buffers(*pairs: tuple[Tensor | None, torch.dtype]) -> None:
+    """Each tensor (or None) contiguous on the CPU in its dtype, as decode.cpp's pointers read it."""
+    for t, dtype in pairs:
+        assert t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+
+
 def decode_step(model: Model, ids: Tensor, positions: Tensor | None, key_mask: Tensor | None, pos: int, kv: Tensor,
                 logits: Tensor) -> None:
     """Run decode.cpp's step: logits (B, V) of the tokens after ids (B,) int64, at positions (B,)
@@ -405,9 +411,8 @@ def decode_step(model: Model, ids: Tensor, positions: Tensor | None, key_mask: T
     marks 1 (None: all); their keys and values written into kv (n_layer, 2, B, nh, capacity, hs) at
     index pos. Every pointer in `model` must stay alive for the call (gpt2attn.decode_step keeps
     the tensors). Raises ValueError, having computed nothing, for sizes, ids or positions out of range."""
-    for t, dtype in ((ids, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
-                     (logits, torch.float32)):
-        assert t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+    _check_buffers((ids, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
+                   (logits, torch.float32))
     assert key_mask is None or key_mask.shape == (ids.numel(), kv.size(4))
     status = library().gpt2attn_decode_step(ctypes.byref(model), _ptr(ids), _ptr(positions), _ptr(key_mask), ids.numel(),
                                             pos, _ptr(kv), kv.size(4), _ptr(logits), torch.get_num_threads())
@@ -426,9 +431,8 @@ def decode_greedy(model: Model, tokens: Tensor, positions: Tensor | None, key_ma
     positions, the finished rows). Returns how many tokens each row got (the cache holds that many more entries) and
     None, or with the step that could not be taken (sizes, ids or positions out of range; the loop
     ended before it) what decode_step would have raised for it."""
-    for t, dtype in ((tokens, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
-                     (logits, torch.float32), (eos, torch.int64), (unfinished, torch.bool)):
-        assert t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+    _check_buffers((tokens, torch.int64), (positions, torch.int64), (key_mask, torch.int64), (kv, torch.float32),
+                   (logits, torch.float32), (eos, torch.int64), (unfinished, torch.bool))
     B = tokens.numel()
     assert out.dtype == torch.int64 and out.size(0) == B and out.size(1) >= steps and out.stride(1) == 1
     assert key_mask is None or key_mask.shape == (B, kv.size(4))
