@@ -417,8 +417,8 @@ def test_the_greedy_loop_leaves_the_cache_as_single_steps_do_at_gpt2_s_vocabular
 def test_the_greedy_loop_picks_the_first_of_equal_logits_and_the_first_nan_across_the_threads_shares(threads):
     """With ln_f's gain 0 and its bias e_0, every logit is wte[:, 0] at every step, so the loop's
     picks are known: the first of two equal largest values that lie in different threads' shares of
-    the 50257, or the first NaN, behind a larger finite value, as torch.argmax picks (the NaN's
-    embedding then makes every later logit NaN: token 0)."""
+    the 50257, the very last value, or the first NaN, behind a larger finite value, as torch.argmax
+    picks (the NaN's embedding then makes every later logit NaN: token 0)."""
     model = model_for("plain", vocab_size=50257)
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()
@@ -437,6 +437,9 @@ def test_the_greedy_loop_picks_the_first_of_equal_logits_and_the_first_nan_acros
 
     with num_threads(threads):
         assert loop() == [100] * 6 == [int(torch.argmax(wte[:, 0]))] * 6
+        with torch.no_grad():
+            wte[50256, 0] = 6.0  # the last logit of the last share
+        assert loop() == [50256] * 6
         with torch.no_grad():
             wte[45000, 0] = float("nan")
         assert loop() == [45000] + [0] * 5 and int(torch.argmax(wte[:, 0])) == 45000
@@ -475,3 +478,24 @@ def test_a_request_whose_rows_all_end_on_the_last_token_of_a_kernel_call_ends_th
         fused = model.generate(ids, max_new_tokens=24, eos_token_id=eos)
         assert fused.size(1) == 6 + FUSED_TOKENS + 1 and torch.equal(fused, free[:, : 6 + FUSED_TOKENS + 1])
         assert torch.equal(fused, model.generate(ids, max_new_tokens=24, eos_token_id=eos, stopping_criteria=NEVER))
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", sorted(kernel_builds()))
+@pytest.mark.parametrize("mode", ["plain", "fp16", "int8", "q4"])
+def test_the_greedy_loop_at_gpt2_small_shapes_in_every_build(gpt2_small_blocks, build, mode, monkeypatch):
+    """The kernels' greedy loop against single steps of the same build, at gpt2-small's widths and
+    vocabulary, 2 rows (one left-padded) on 2 threads: the same tokens, through more than one call."""
+    monkeypatch.setattr(kernels, "library", lambda: kernel_builds()[build])
+    model = copy.deepcopy(gpt2_small_blocks)
+    if mode != "plain":
+        model.quantize(mode)
+    ids = torch.randint(0, 50257, (2, 5), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    calls = count_calls(monkeypatch)
+    with num_threads(2):
+        fused = model.generate(ids, attention_mask=mask, max_new_tokens=FUSED_TOKENS + 4, eos_token_id=None)
+        single = model.generate(ids, attention_mask=mask, max_new_tokens=FUSED_TOKENS + 4, eos_token_id=None,
+                                stopping_criteria=NEVER)
+    assert calls == {"greedy": 2, "step": FUSED_TOKENS + 3}
+    assert torch.equal(fused, single)
