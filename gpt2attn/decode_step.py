@@ -100,7 +100,7 @@ class DecodeStep:
         """A Conv1D, nn.Linear or quantize() layer as decode.cpp's Matrix: its weight in the layout it holds."""
         scale = None
         if isinstance(layer, Q4Linear):
-            weight, kind = layer.blocks, kernels.ROWS_Q4K  # (out, in/256 * 144) bytes
+            weight, kind = layer.grouped, kernels.ROWS_Q4K  # (out, in/256 * 144) bytes, by groups of 16 rows
         elif isinstance(layer, Int8Linear):
             weight, scale, kind = layer.weight8, layer.scale, kernels.ROWS_Q8
         elif isinstance(layer, HalfLinear):

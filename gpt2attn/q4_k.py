@@ -15,6 +15,13 @@ ggml's `block_q4_K`:
 and weight i of sub-block s is  (d * sc[s]) * q[i] - (dmin * m[s])  (in fp32, as ggml computes it):
 4.5 bits a weight.
 
+The kernels read the same bytes in another order, by groups of GROUP rows (`group_rows`, and back
+`ungroup_rows`): super-block j of a group of n rows is 144 n bytes, their d (2 n bytes), their dmin
+(2 n), byte p of their scales for p = 0..11 (n bytes each), then quad (c, t) of their qs for
+c = 0..3, t = 0..7 (4 n bytes each: bytes 32c + 4t .. 32c + 4t + 3 of each row), so that one 64-byte
+load holds the same four values of 16 rows (gpt2attn/kernels/simd.h). The last group holds the rows
+left (N mod 16, where N is not a multiple of 16).
+
 `quantize_rows` chooses, for each sub-block of 32, the scale and min whose grid of 16 levels gives
 the smallest squared error (a search over candidate scales, each refitted by least squares, then
 alternating requantization and refitting), then rounds the eight scales and mins of each
@@ -33,6 +40,7 @@ LEVELS = 15  # q in 0..LEVELS
 CANDIDATES = torch.linspace(-2.0, 2.0, 9)  # the scale search: (LEVELS + c) / (max - min) levels per unit
 REFITS = 2  # alternating requantize / least-squares rounds after the search
 ROWS_PER_CHUNK = 1024  # rows quantized at a time (bounds the search's memory)
+GROUP = 16  # rows the kernels' layout interleaves (group_rows)
 
 
 def keeps_8_bits(name: str, in_features: int, n_layer: int) -> bool:
@@ -153,3 +161,38 @@ def dequantize_rows(blocks: Tensor, K: int) -> Tensor:
     q, scale, offset = unpack(blocks, K)
     N = q.size(0)
     return (scale[..., None] * q.view(N, -1, SUB).float() - offset[..., None]).view(N, K)
+
+
+def _group_order(n: int, supers: int) -> Tensor:
+    """For a group of n rows of `supers` super-blocks: index i of the grouped bytes (n * supers * 144)
+    -> the index in the rows' own bytes it comes from."""
+    rows = torch.arange(n * supers * BYTES).view(n, supers, BYTES)
+    d, dmin = rows[..., 0:2].transpose(0, 1), rows[..., 2:4].transpose(0, 1)  # (supers, n, 2)
+    scales = rows[..., 4:16].permute(1, 2, 0)  # (supers, 12, n)
+    quads = rows[..., 16:].reshape(n, supers, 32, 4).permute(1, 2, 0, 3)  # (supers, quad, n, 4)
+    return torch.cat([part.reshape(supers, -1) for part in (d, dmin, scales, quads)], dim=1).reshape(-1)
+
+
+def _regroup(blocks: Tensor, inverse: bool) -> Tensor:
+    N, width = blocks.shape
+    out = torch.empty_like(blocks)
+    whole = N // GROUP * GROUP
+    for start, end in ((0, whole), (whole, N)):  # the whole groups, then the rows left
+        if end > start:
+            n = min(GROUP, end - start)
+            order = _group_order(n, width // BYTES)
+            if inverse:
+                order = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+            out[start:end] = blocks[start:end].reshape(-1, n * width)[:, order].view(-1, width)
+    return out
+
+
+def group_rows(blocks: Tensor) -> Tensor:
+    """Q4_K super-blocks (N, K/256 * 144) uint8, each row's own -> the same bytes by groups of GROUP
+    rows (the module docstring), in a tensor of the same shape."""
+    return _regroup(blocks, inverse=False)
+
+
+def ungroup_rows(grouped: Tensor) -> Tensor:
+    """group_rows undone: each row's own Q4_K super-blocks (N, K/256 * 144) uint8."""
+    return _regroup(grouped, inverse=True)

@@ -300,9 +300,15 @@ class Q4Linear(PackedLinear):
 
     def _pack(self, weight: Tensor, bias: Tensor | None) -> None:
         rows = weight.t() if self.conv else weight  # (out, in)
-        blocks = q4_k.quantize_rows(rows.contiguous())  # (out, in/256 * 144) uint8
-        self._slot("blocks", blocks.shape, torch.uint8).copy_(blocks)
+        grouped = q4_k.group_rows(q4_k.quantize_rows(rows.contiguous()))  # (out, in/256 * 144) uint8
+        self._slot("grouped", grouped.shape, torch.uint8).copy_(grouped)
         self.bias = bias
+
+    @property
+    def blocks(self) -> Tensor:
+        """The Q4_K super-blocks (out, in/256 * 144) uint8, each row's own, as a GGUF file holds
+        them (made when asked from `grouped`, the same bytes in the kernels' order)."""
+        return q4_k.ungroup_rows(self.grouped)
 
     def dequantized_weight(self) -> Tensor:
         """The fp32 weight (out, in) this layer computes with."""
@@ -313,7 +319,7 @@ class Q4Linear(PackedLinear):
         return w.t() if self.conv else w
 
     def decode(self, x: Tensor) -> Tensor:
-        return cpu_kernels.rows_q4k(x, self.blocks, self.bias)
+        return cpu_kernels.rows_q4k(x, self.grouped, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
         # `decode` takes a prompt's rows too, reading each weight once for all of them (measured no

@@ -10,8 +10,9 @@ threads, and accumulate in fp32:
     rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
                                 in blocks of 32 (quantize_q8); any B: a prompt's rows
                                 too, a tile of them at a time (compute-bound then)      -> (B, N)
-    rows_q4k(x, blocks, bias)   blocks (N, K/256 * 144) uint8, llama.cpp's Q4_K (gpt2attn.q4_k);
-                                x quantized per 256 as llama.cpp's Q8_K                 -> (B, N)
+    rows_q4k(x, grouped, bias)  grouped (N, K/256 * 144) uint8, llama.cpp's Q4_K by groups of 16
+                                rows (gpt2attn.q4_k.group_rows); x quantized per 256 as
+                                llama.cpp's Q8_K                                        -> (B, N)
     decode_step(...)            every product of a GPT-2 step, embeddings to logits (gpt2attn.decode_step)
 
 Each product has a `_reference` twin in plain torch computing the same sum (to fp32 rounding: the
@@ -230,7 +231,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 COLS_F32 = 0  # (K, N), Conv1D's layout
 ROWS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # (N, K), nn.Linear's layout
 ROWS_Q8 = 4  # (N, K) int8, one scale per row
-ROWS_Q4K = 5  # (N, K/256 * 144) uint8: each row's Q4_K super-blocks
+ROWS_Q4K = 5  # (N, K/256 * 144) uint8: the rows' Q4_K super-blocks by groups of 16 (q4_k.group_rows)
 
 
 class Matrix(ctypes.Structure):
@@ -357,13 +358,14 @@ def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None)
     return y if bias is None else y + bias
 
 
-def rows_q4k(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
-    """x (B, K) fp32 times the Q4_K rows blocks (N, K/256 * 144) uint8 (gpt2attn.q4_k), transposed,
-    plus bias -> (B, N) fp32, with x quantized as quantize_q8k_reference does first."""
+def rows_q4k(x: Tensor, grouped: Tensor, bias: Tensor | None) -> Tensor:
+    """x (B, K) fp32 times the Q4_K rows `grouped` (N, K/256 * 144) uint8, laid out by groups of 16
+    rows (gpt2attn.q4_k.group_rows), transposed, plus bias -> (B, N) fp32, with x quantized as
+    quantize_q8k_reference does first."""
     if library() is None:
-        return rows_q4k_reference(x, blocks, bias)
-    assert blocks.dtype == torch.uint8 and blocks.size(1) % q4_k.BYTES == 0
-    return product(matrix(blocks, bias, ROWS_Q4K), x)
+        return rows_q4k_reference(x, q4_k.ungroup_rows(grouped), bias)
+    assert grouped.dtype == torch.uint8 and grouped.size(1) % q4_k.BYTES == 0
+    return product(matrix(grouped, bias, ROWS_Q4K), x)
 
 
 def quantize_q8k_reference(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,11 +18,12 @@
 //                            summed exactly in int32. Any number of rows: a prompt's (the int8
 //                            model's one copy serves prompts too) are taken in tiles of Q8_ROWS
 //                            rows, in chunks of x that stay in the core's cache
-//   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes, simd.h),
-//                            K a multiple of 256; x quantized as llama.cpp's Q8_K (one scale per
-//                            256, by each thread for itself, whatever the rows); a super-block's
-//                            products of nibbles and x, times the sub-blocks' 6-bit scales, and
-//                            its mins times x's sums, summed exactly in int32: two float
+//   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes), K a
+//                            multiple of 256, laid out by groups of 16 rows (simd.h); x quantized
+//                            as llama.cpp's Q8_K (one scale per 256, by each thread for itself,
+//                            whatever the rows); a super-block's products of nibbles and x, times
+//                            the sub-blocks' 6-bit scales, and its mins times x's sums, summed
+//                            exactly in int32, 16 rows in the lanes of one register: two float
 //                            multiply-adds per super-block
 // 16-bit weights are widened to fp32 in registers (F16C; bf16 by a 16-bit shift); sums are fp32.
 // Where the build has AVX-512, the rows products take 16 floats or 64 int8 a step (simd.h).
@@ -168,8 +169,11 @@ inline int64_t row_bytes(const Matrix& W) {
 // code's layout alone moved the 16-bit steps by up to 5 points): when memory read at about 59 GB/s,
 // fp16 80% -> 83% of the read rate, int8 76% -> 79%, q4 69% -> 71%; at 34 GB/s the same. A
 // prompt's rows go in SPANS spans a thread, taken in turn, so that a thread slowed by other work
-// takes fewer. body(r0, r1) runs once per span (or share).
-inline int64_t span_rows(int64_t N, int64_t spans) { return ((N + spans - 1) / spans + 3) / 4 * 4; }
+// takes fewer. body(r0, r1) runs once per span (or share). A span is a multiple of 16 rows (the
+// last excepted), so it never splits a group of Q4_K rows (simd.h).
+inline int64_t span_rows(int64_t N, int64_t spans) {
+    return ((N + spans - 1) / spans + gpt2attn::Q4K_GROUP - 1) / gpt2attn::Q4K_GROUP * gpt2attn::Q4K_GROUP;
+}
 template <typename F>
 void for_spans(const Matrix& W, int64_t B, int threads, F&& body) {
     const int64_t N = W.N;
@@ -239,6 +243,7 @@ struct Products {
     std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
     std::vector<int16_t> bsums;  // (threads, B, max_k / 32): for ROWS_Q4K, each block's sum of xq (xs: one scale per 256)
+    std::vector<uint8_t> last_group;  // (threads, max_k / 256 * Q4K_GROUP_BYTES): a last group of fewer Q4_K rows, padded
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K; q4k:
     // whether a ROWS_Q4K matrix may come (its scratch space is then made too)
@@ -246,7 +251,8 @@ struct Products {
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k),
           max_span(span_rows(rows_n, rows > ALONE_ROWS ? SPANS * nthreads : nthreads)),
           partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
-          sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0) {}
+          sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0),
+          last_group(q4k ? nthreads * (k / 256) * gpt2attn::Q4K_GROUP_BYTES : 0) {}
 
     // copies of x quantized: one a thread for a few rows (and always for ROWS_Q4K, whose threads each
     // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
@@ -388,20 +394,40 @@ struct Products {
     }
 
     void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, stride = row_bytes(W);
+        const int64_t K = W.K, group_bytes = K / 256 * gpt2attn::Q4K_GROUP_BYTES;
         const int t = omp_get_thread_num();  // each thread quantizes x for itself, as rows_q8 for a few rows
         int8_t* xq_mine = xq.data() + t * B * max_k;
         float* d_mine = xs.data() + t * B * (max_k / 32);
         int16_t* bsums_mine = bsums.data() + t * B * (max_k / 32);
         gpt2attn::quantize_q8k(x, B * K / 256, xq_mine, d_mine, bsums_mine);
-        const uint8_t* w = (const uint8_t*)W.weight;
         float* mine = sums.data() + t * B * max_span;  // (B, n)
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
-            const int64_t n = r1 - r0, q = n / 4;
-            for (int64_t i = 0; i < q; i++)  // rows i, i + q, i + 2q, i + 3q of the span
-                gpt2attn::dot_q4k<4>(xq_mine, d_mine, bsums_mine, B, K, w + (r0 + i) * stride, q * stride, mine + i, n, q);
-            for (int64_t r = r0 + 4 * q; r < r1; r++)  // what the quarters leave: one row at a time
-                gpt2attn::dot_q4k<1>(xq_mine, d_mine, bsums_mine, B, K, w + r * stride, 0, mine + r - r0, n, 0);
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
+            // the span's groups as four far-apart streams, group i of each quarter together; then
+            // what the quarters leave, the last of all padded if it has fewer rows
+            const int64_t n = r1 - r0, whole = n / gpt2attn::Q4K_GROUP, q = whole / 4;
+            const uint8_t* span = (const uint8_t*)W.weight + r0 / gpt2attn::Q4K_GROUP * group_bytes;
+            float out[4 * gpt2attn::Q4K_GROUP];
+            for (int64_t i = 0; i < q; i++)
+                for (int64_t b = 0; b < B; b++) {  // a prompt's rows: the groups' bytes stay in cache after the first
+                    gpt2attn::dot_q4k<4>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K,
+                                         span + i * group_bytes, q * group_bytes, out);
+                    for (int quarter = 0; quarter < 4; quarter++)
+                        memcpy(mine + b * n + (quarter * q + i) * gpt2attn::Q4K_GROUP, out + quarter * gpt2attn::Q4K_GROUP,
+                               gpt2attn::Q4K_GROUP * sizeof(float));
+                }
+            for (int64_t g = 4 * q * gpt2attn::Q4K_GROUP; g < n; g += gpt2attn::Q4K_GROUP) {
+                const int64_t rows = std::min(gpt2attn::Q4K_GROUP, n - g);
+                const uint8_t* group = span + g / gpt2attn::Q4K_GROUP * group_bytes;
+                if (rows < gpt2attn::Q4K_GROUP) {
+                    uint8_t* padded = last_group.data() + t * (max_k / 256) * gpt2attn::Q4K_GROUP_BYTES;
+                    gpt2attn::q4k_pad_group(group, rows, K, padded);
+                    group = padded;
+                }
+                for (int64_t b = 0; b < B; b++) {
+                    gpt2attn::dot_q4k<1>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K, group, 0, out);
+                    memcpy(mine + b * n + g, out, rows * sizeof(float));
+                }
+            }
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
         });  // implicit barrier

@@ -1,7 +1,7 @@
 // The vector pieces of decode.cpp: widening 8 weights to fp32, a horizontal sum, the
 // quantization of activations in blocks of 32 (llama.cpp's q8_0 layout) or, for Q4_K rows, of 256
 // (its Q8_K), and the inner loop of every (N, K) rows product: four rows' dot products with one
-// input row (dot4) or a tile of input rows (dot4_q8, dot_q4k).
+// input row (dot4) or a tile of input rows (dot4_q8), or a group of 16 Q4_K rows' (dot_q4k).
 //
 // AVX2, FMA and F16C always; where the build has AVX-512 (F, BW, VL, DQ and VNNI: the kernels are
 // built with those flags on a CPU that has them), dot4 and dot4_q8 take 16 floats or 64 int8 a
@@ -223,173 +223,171 @@ inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t
         for (int i = 0; i < 4; i++) out[m * 4 + i] = q8_sum(acc[m][i]);
 }
 
-// Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py): each row K/256 super-blocks of 144
-// bytes: d and dmin (fp16), twelve bytes of 6-bit scales sc and mins m (eight each, one pair per
-// sub-block of 32), 128 bytes of nibbles q (byte l of chunk c: value 64c + l low, 64c + 32 + l
-// high). Weight i of sub-block s is (d sc[s]) q[i] - (dmin m[s]).
+// Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py) in groups of Q4K_GROUP rows: each row K/256
+// super-blocks of 144 bytes (d and dmin in fp16, twelve bytes of 6-bit scales sc and mins m, one
+// pair per sub-block of 32, and 128 bytes of nibbles q), weight i of sub-block s being
+// (d sc[s]) q[i] - (dmin m[s]). The kernels read the same bytes laid out by group
+// (gpt2attn.q4_k.group_rows): super-block j of a group's n rows is 144 n bytes,
+//     d of rows 0..n-1 (2 n bytes), then their dmin (2 n), then byte p of their twelve scale bytes
+//     (n bytes for each p), then quad (c, t) of their nibbles for c = 0..3 and t = 0..7 (4 n bytes
+//     each: row r's bytes 32c + 4t .. 32c + 4t + 3 at 4r)
+// so one 64-byte load holds four bytes of each of 16 rows: their low nibbles are weights
+// 64c + 4t .. + 3 (sub-block 2c), their high ones the same 32 further on (sub-block 2c + 1), and
+// one u8 x s8 product summed per 4 bytes (VNNI's vpdpbusd) gives each row's share in its own
+// int32 lane, with no sums across lanes. A last group of fewer rows (N not a multiple of 16) is
+// copied into 16 rows' layout, its missing rows zeros, before it is read (q4k_pad_group).
 constexpr int64_t Q4K_BYTES = 144;
+constexpr int64_t Q4K_GROUP = 16;
+constexpr int64_t Q4K_GROUP_BYTES = Q4K_GROUP * Q4K_BYTES;  // one super-block of a whole group
 
-// The order in which the kernel reads the eight sub-blocks of x (and their sums): on AVX-512, 64
-// bytes of levels at a time, whose low nibbles are sub-blocks 0 and 2 (4 and 6), high 1 and 3 (5
-// and 7), so x's blocks are laid out in that order (quantize_q8k); on AVX2, as they are.
-#ifdef GPT2ATTN_AVX512
-constexpr int Q4K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-#else
-constexpr int Q4K_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-#endif
-
-// x for Q4_K rows as llama.cpp's Q8_K: n_super super-blocks of 256 floats -> q (256 int8 each,
-// its blocks of 32 in Q4K_ORDER), d (one scale each: max|x| / 127, q = round-half-even(x / d))
-// and bsums (each block's sum of q, in that order too: what the mins take from x)
+// x for Q4_K rows as llama.cpp's Q8_K: n_super super-blocks of 256 floats -> q (256 int8 each),
+// d (one scale each: max|x| / 127, q = round-half-even(x / d)) and bsums (each block of 32's sum
+// of q: what the mins take from x)
 inline void quantize_q8k(const float* x, int64_t n_super, int8_t* q, float* d, int16_t* bsums) {
     for (int64_t j = 0; j < n_super; j++) {
         d[j] = abs_max(x + 256 * j, 256) / 127.0f;
-        for (int s = 0; s < 8; s++)
-            bsums[8 * j + s] = (int16_t)round32(x + 256 * j + 32 * Q4K_ORDER[s], d[j], q + 256 * j + 32 * s);
+        for (int s = 0; s < 8; s++) bsums[8 * j + s] = (int16_t)round32(x + 256 * j + 32 * s, d[j], q + 256 * j + 32 * s);
     }
 }
 
-// The 6-bit sc and m of a super-block as 16 bytes: sc in bytes 0-7 and m in 8-15, each in
-// Q4K_ORDER. They are unpacked in one vector from the twelve bytes u0, u1, u2 (as 32-bit words)
-// after d and dmin: sc 0-3 are u0's low 6 bits, sc 4-7 u2's low nibbles with u0's top 2 bits
-// above them; the mins the same from u1 and u2's high nibbles.
-inline __m128i q4k_scale_bytes(const uint8_t* block) {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)block);                  // d and dmin, u0, u1, u2
-    const __m128i own = _mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 2, 1, 1));         // u0 u0 u1 u1
-    const __m128i nibbles = _mm_shuffle_epi32(raw, _MM_SHUFFLE(3, 3, 3, 3));     // u2 u2 u2 u2
-    const __m128i bytes = _mm_or_si128(  // sc 0-3, sc 4-7, m 0-3, m 4-7
-        _mm_and_si128(_mm_srlv_epi32(own, _mm_setr_epi32(0, 2, 0, 2)),
-                      _mm_setr_epi32(0x3f3f3f3f, 0x30303030, 0x3f3f3f3f, 0x30303030)),
-        _mm_and_si128(_mm_srlv_epi32(nibbles, _mm_setr_epi32(0, 0, 0, 4)), _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f)));
+// The last group's n < 16 rows (K/256 super-blocks from `group`) laid out as a whole group's in
+// `padded` (K/256 * Q4K_GROUP_BYTES bytes), rows n..15 zeros
+inline void q4k_pad_group(const uint8_t* group, int64_t n, int64_t K, uint8_t* padded) {
+    memset(padded, 0, K / 256 * Q4K_GROUP_BYTES);
+    for (int64_t j = 0; j < K / 256; j++) {
+        const uint8_t* from = group + j * Q4K_BYTES * n;
+        uint8_t* to = padded + j * Q4K_GROUP_BYTES;
+        memcpy(to, from, 2 * n), memcpy(to + 32, from + 2 * n, 2 * n);  // d, dmin
+        for (int p = 0; p < 12; p++) memcpy(to + 64 + 16 * p, from + 4 * n + n * p, n);
+        for (int quad = 0; quad < 32; quad++) memcpy(to + 256 + 64 * quad, from + 16 * n + 4 * n * quad, 4 * n);
+    }
+}
+
+// The 6-bit sc (bytes 0-7 of each row) and m (8-15) of a group's super-block from its twelve
+// scale bytes u[0..11] (16 bytes each, one per row): sc 0-3 are u 0-3's low 6 bits, sc 4-7
+// u 8-11's low nibbles with u 0-3's top 2 bits above them; m the same from u 4-7 and u 8-11's
+// high nibbles. Out: sc[s] of row r at out[16 s + r], m[s] at out[128 + 16 s + r].
+inline void q4k_scales(const uint8_t* u, uint8_t* out) {
+    for (int h = 0; h < 2; h++) {  // 32 bytes at a time: two of the twelve
+        const __m256i low4 = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F), top2 = _mm256_set1_epi8(0x30);
+        const __m256i sc = _mm256_loadu_si256((const __m256i*)(u + 32 * h));       // u 0-3
+        const __m256i m = _mm256_loadu_si256((const __m256i*)(u + 64 + 32 * h));   // u 4-7
+        const __m256i lows = _mm256_loadu_si256((const __m256i*)(u + 128 + 32 * h));  // u 8-11
+        // (a 16-bit shift brings the next byte's bits down; the masks drop them)
+        _mm256_storeu_si256((__m256i*)(out + 32 * h), _mm256_and_si256(sc, six));
+        _mm256_storeu_si256((__m256i*)(out + 64 + 32 * h),
+                            _mm256_or_si256(_mm256_and_si256(lows, low4), _mm256_and_si256(_mm256_srli_epi16(sc, 2), top2)));
+        _mm256_storeu_si256((__m256i*)(out + 128 + 32 * h), _mm256_and_si256(m, six));
+        _mm256_storeu_si256((__m256i*)(out + 192 + 32 * h),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lows, 4), low4),
+                                            _mm256_and_si256(_mm256_srli_epi16(m, 2), top2)));
+    }
+}
+
+// Ask for the bytes this far ahead of a group's nibbles as they are read (the next super-block's,
+// then the next group's: a thread's groups lie one after another)
+constexpr int64_t Q4K_PREFETCH_AHEAD = 2048;
+
+// out[16 g + r] = x . row r of group g = 0..NG-1 of Q4_K rows, at group0 + g * stride (K/256
+// super-blocks of Q4K_GROUP_BYTES each), x as quantize_q8k gives it (xq, d, bsums). The NG groups
+// are read in step, 64 bytes of each in turn (NG streams, as dot4 reads four rows). Per super-block
+// and row, exactly in int32: dots = sum_s sc[s] (xq . q over s) and mins = sum_s m[s] bsums[s];
+// then out += d_x (d dots - dmin mins) in fp32.
+template <int NG>
+inline void dot_q4k(const int8_t* xq, const float* d, const int16_t* bsums, int64_t K, const uint8_t* group0,
+                    int64_t stride, float* out) {
+    alignas(64) uint8_t scales[NG][256];
 #ifdef GPT2ATTN_AVX512
-    return _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));  // Q4K_ORDER
-#else
-    return bytes;
-#endif
-}
-
-// What a super-block's products with x need from it, unpacked once for every row of x: its levels
-// as bytes, its scales sc as int16 lanes beside the levels they scale, its mins m as eight int16,
-// d and dmin. With x's 256 values there as int8 xq (Q4K_ORDER), d_x and bsums, the product is
-//     d_x (d sum_s sc[s] (xq . q over sub-block s) - dmin sum_s m[s] bsums[s])
-// with both sums exact in int32 and one float multiply-add for each; q4k_accumulate adds the
-// first to acc and subtracts the second from it. The levels are u8 and x s8 (maddubs: pairs in
-// int16, which 15 x 127 x 2 cannot overflow); then the scales multiply the pairs and sum them into
-// int32 lanes: on AVX-512 one VNNI vpdpwssd per 64 bytes, each's lanes 0-7 in one sub-block and
-// 8-15 in another; on AVX2 madd and add per 32.
-struct Q4KBlock {
-#ifdef GPT2ATTN_AVX512
-    __m512i levels[4];  // the low nibbles of bytes 0-63, their high nibbles, the same of bytes 64-127
-    __m512i scales[4];  // for each: sc of its first sub-block in int16 lanes 0-15, its second in 16-31
-#else
-    __m256i levels[8];  // sub-block s: the low nibbles of chunk s / 2's 32 bytes (s even), or their high
-    __m256i scales;     // sc 0-7 as int16, in both halves
-#endif
-    __m128i mins;       // m 0-7 as int16
-    float d, dmin;
-};
-
-// int16 lane i of each 128 bits of v (eight int16) into every int16 lane of those 128 bits: the
-// bytes 2i, 2i + 1 picked over and over
-constexpr int32_t pick16(int i) { return (2 * i) | (2 * i + 1) << 8 | (2 * i) << 16 | (2 * i + 1) << 24; }
-
-inline Q4KBlock q4k_block(const uint8_t* block) {
-    Q4KBlock u;
-    const __m128i bytes = q4k_scale_bytes(block);
-    const __m128i sc = _mm_cvtepu8_epi16(bytes);
-    u.mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(bytes, bytes));
-    const __m128 d_dmin = _mm_cvtph_ps(_mm_loadu_si128((const __m128i*)block));
-    u.d = _mm_cvtss_f32(d_dmin), u.dmin = _mm_cvtss_f32(_mm_movehdup_ps(d_dmin));
-#ifdef GPT2ATTN_AVX512
-    const __m512i low4 = _mm512_set1_epi8(0x0F), wide = _mm512_broadcast_i32x4(sc);
-    for (int h = 0; h < 2; h++) {
-        const __m512i raw = _mm512_loadu_si512(block + 16 + 64 * h);
-        u.levels[2 * h] = _mm512_and_si512(raw, low4), u.levels[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-    }
-    for (int k = 0; k < 4; k++) {  // levels[k] holds the sub-blocks at 2k and 2k + 1 of Q4K_ORDER
-        const __m512i first = _mm512_castsi256_si512(_mm256_set1_epi32(pick16(2 * k)));  // int16 lanes 0-15
-        u.scales[k] = _mm512_shuffle_epi8(wide, _mm512_inserti64x4(first, _mm256_set1_epi32(pick16(2 * k + 1)), 1));
-    }
-#else
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(block + 16 + 32 * c));
-        u.levels[2 * c] = _mm256_and_si256(raw, low4), u.levels[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    }
-    u.scales = _mm256_broadcastsi128_si256(sc);
-#endif
-    return u;
-}
-
-// acc += the super-block's product with x's (xq, its 256 values; d_x; bsums, its 8 sums), spread
-// over acc's lanes
-#ifdef GPT2ATTN_AVX512
-using Q4KAcc = __m512;
-inline void q4k_accumulate(const Q4KBlock& u, const int8_t* xq, float d_x, const int16_t* bsums, Q4KAcc& acc) {
-    __m512i dots = _mm512_setzero_si512();  // sum_s sc[s] (xq . q over s), spread over the lanes
-    for (int k = 0; k < 4; k++)
-        dots = _mm512_dpwssd_epi32(dots, _mm512_maddubs_epi16(u.levels[k], _mm512_loadu_si512(xq + 64 * k)), u.scales[k]);
-    const __m128i mins = _mm_madd_epi16(u.mins, _mm_loadu_si128((const __m128i*)bsums));  // sum_s m[s] bsums[s], 4 lanes
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(u.d * d_x), acc);
-    acc = _mm512_fnmadd_ps(_mm512_zextps128_ps512(_mm_cvtepi32_ps(mins)), _mm512_set1_ps(u.dmin * d_x), acc);
-}
-inline float q4k_sum(__m512 acc) { return _mm512_reduce_add_ps(acc); }
-#else
-using Q4KAcc = __m256;
-inline void q4k_accumulate(const Q4KBlock& u, const int8_t* xq, float d_x, const int16_t* bsums, Q4KAcc& acc) {
-    __m256i dots = _mm256_setzero_si256();
-    for (int s = 0; s < 8; s++) {
-        const __m256i pairs = _mm256_maddubs_epi16(u.levels[s], _mm256_loadu_si256((const __m256i*)(xq + 32 * s)));
-        dots = _mm256_add_epi32(dots, _mm256_madd_epi16(pairs, _mm256_shuffle_epi8(u.scales, _mm256_set1_epi32(pick16(s)))));
-    }
-    const __m128i mins = _mm_madd_epi16(u.mins, _mm_loadu_si128((const __m128i*)bsums));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(u.d * d_x), acc);
-    acc = _mm256_fnmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(mins)), _mm256_set1_ps(u.dmin * d_x), acc);
-}
-inline float q4k_sum(__m256 acc) { return hsum(acc); }
-#endif
-
-// out[b * b_stride + i * i_stride] = x_b . w[i] for R Q4_K rows w[i] = w0 + i * stride (bytes) and
-// NB rows x_b of x (K, a multiple of 256) as quantize_q8k gives it: row b at xq + b K, d + b K / 256
-// and bsums + b K / 32; the same sums as the reference in fp32 rounding. Each super-block of w is
-// unpacked once for the NB rows of x.
-template <int NB, int R>
-inline void dot_q4k(const int8_t* xq, const float* d, const int16_t* bsums, int64_t K, const uint8_t* w0,
-                    int64_t stride, bool prefetch, float* out, int64_t b_stride, int64_t i_stride) {
-    const int64_t n_super = K / 256;
-    Q4KAcc acc[NB][R];
-    for (int b = 0; b < NB; b++)
-        for (int i = 0; i < R; i++) acc[b][i] = Q4KAcc{};
-    for (int64_t j = 0; j < n_super; j++) {
-        if (prefetch && R == 4)
-            for (int64_t part = 0; part < Q4K_BYTES; part += 48)
-                prefetch4(w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride, j * Q4K_BYTES + part);
-        for (int i = 0; i < R; i++) {
-            const Q4KBlock u = q4k_block(w0 + i * stride + j * Q4K_BYTES);
-            for (int b = 0; b < NB; b++)
-                q4k_accumulate(u, xq + b * K + 256 * j, d[b * n_super + j], bsums + b * (K / 32) + 8 * j, acc[b][i]);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[NG];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / 256; j++) {
+        const uint8_t* block[NG];
+        for (int g = 0; g < NG; g++) block[g] = group0 + g * stride + j * Q4K_GROUP_BYTES, q4k_scales(block[g] + 64, scales[g]);
+        const int32_t* x4 = (const int32_t*)(xq + 256 * j);  // x four bytes at a time
+        __m512i dots[NG];
+        for (auto& v : dots) v = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {  // sub-blocks 2c (the low nibbles) and 2c + 1 (the high)
+            __m512i low[NG], high[NG];  // x . q over each, for each row
+            for (int g = 0; g < NG; g++) low[g] = high[g] = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t++) {
+                const __m512i xl = _mm512_set1_epi32(x4[16 * c + t]), xh = _mm512_set1_epi32(x4[16 * c + 8 + t]);
+                for (int g = 0; g < NG; g++) {
+                    const uint8_t* quad = block[g] + 256 + 64 * (8 * c + t);
+                    _mm_prefetch((const char*)quad + Q4K_PREFETCH_AHEAD, _MM_HINT_T0);
+                    const __m512i v = _mm512_loadu_si512(quad);
+                    low[g] = _mm512_dpbusd_epi32(low[g], _mm512_and_si512(v, low4), xl);
+                    high[g] = _mm512_dpbusd_epi32(high[g], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), xh);
+                }
+            }
+            for (int g = 0; g < NG; g++) {
+                const __m512i sc_low = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(scales[g] + 32 * c)));
+                const __m512i sc_high = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(scales[g] + 32 * c + 16)));
+                dots[g] = _mm512_add_epi32(dots[g], _mm512_add_epi32(_mm512_mullo_epi32(low[g], sc_low),
+                                                                     _mm512_mullo_epi32(high[g], sc_high)));
+            }
+        }
+        const __m512 d_x = _mm512_set1_ps(d[j]);
+        for (int g = 0; g < NG; g++) {
+            __m512i mins = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++)
+                mins = _mm512_add_epi32(mins, _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(scales[g] + 128 + 16 * s))),
+                                                                 _mm512_set1_epi32(bsums[8 * j + s])));
+            const __m512 step = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block[g])), d_x);
+            const __m512 min_step = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block[g] + 32))), d_x);
+            acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[g]), step, acc[g]);
+            acc[g] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), min_step, acc[g]);
         }
     }
-    for (int b = 0; b < NB; b++)
-        for (int i = 0; i < R; i++) out[b * b_stride + i * i_stride] = q4k_sum(acc[b][i]);
-}
-
-// dot_q4k for B rows of x, four at a time
-template <int R>
-inline void dot_q4k(const int8_t* xq, const float* d, const int16_t* bsums, int64_t B, int64_t K, const uint8_t* w0,
-                    int64_t stride, float* out, int64_t b_stride, int64_t i_stride) {
-    for (int64_t b = 0; b < B; b += 4) {
-        const int8_t* q = xq + b * K;
-        const float* db = d + b * (K / 256);
-        const int16_t* sums = bsums + b * (K / 32);
-        float* o = out + b * b_stride;
-        switch (B - b < 4 ? B - b : 4) {  // the weights asked for ahead once, with the first rows of x
-            case 1: dot_q4k<1, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
-            case 2: dot_q4k<2, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
-            case 3: dot_q4k<3, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride); break;
-            default: dot_q4k<4, R>(q, db, sums, K, w0, stride, b == 0, o, b_stride, i_stride);
-        }
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(out + 16 * g, acc[g]);
+#else
+    // rows 0-7 in the low 32 bytes of each quad, 8-15 in the high: u8 x s8 in pairs (maddubs,
+    // at most 2 x 15 x 127), the eight quads of a sub-block summed in int16 (at most 30480), then
+    // in int32 (madd by ones)
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[NG][2];
+    for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 256; j++) {
+        const uint8_t* block[NG];
+        for (int g = 0; g < NG; g++) block[g] = group0 + g * stride + j * Q4K_GROUP_BYTES, q4k_scales(block[g] + 64, scales[g]);
+        const int32_t* x4 = (const int32_t*)(xq + 256 * j);
+        __m256i dots[NG][2], mins[NG][2];
+        for (int g = 0; g < NG; g++) dots[g][0] = dots[g][1] = mins[g][0] = mins[g][1] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++)
+            for (int g = 0; g < NG; g++) {
+                __m256i pairs[2][2];  // [low/high nibbles][rows 0-7/8-15]
+                for (auto& nibbles : pairs) nibbles[0] = nibbles[1] = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) {
+                    const uint8_t* quad = block[g] + 256 + 64 * (8 * c + t);
+                    _mm_prefetch((const char*)quad + Q4K_PREFETCH_AHEAD, _MM_HINT_T0);
+                    const __m256i xl = _mm256_set1_epi32(x4[16 * c + t]), xh = _mm256_set1_epi32(x4[16 * c + 8 + t]);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(quad + 32 * h));
+                        pairs[0][h] = _mm256_add_epi16(pairs[0][h], _mm256_maddubs_epi16(_mm256_and_si256(v, low4), xl));
+                        pairs[1][h] = _mm256_add_epi16(pairs[1][h],
+                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xh));
+                    }
+                }
+                for (int half = 0; half < 2; half++)  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+                    for (int h = 0; h < 2; h++) {
+                        const int s = 2 * c + half;
+                        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scales[g] + 16 * s + 8 * h)));
+                        const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scales[g] + 128 + 16 * s + 8 * h)));
+                        dots[g][h] = _mm256_add_epi32(dots[g][h], _mm256_mullo_epi32(_mm256_madd_epi16(pairs[half][h], ones), sc));
+                        mins[g][h] = _mm256_add_epi32(mins[g][h], _mm256_mullo_epi32(m, _mm256_set1_epi32(bsums[8 * j + s])));
+                    }
+            }
+        const __m256 d_x = _mm256_set1_ps(d[j]);
+        for (int g = 0; g < NG; g++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 step = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block[g] + 16 * h))), d_x);
+                const __m256 min_step = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block[g] + 32 + 16 * h))), d_x);
+                acc[g][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[g][h]), step, acc[g][h]);
+                acc[g][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[g][h]), min_step, acc[g][h]);
+            }
     }
+    for (int g = 0; g < NG; g++) _mm256_storeu_ps(out + 16 * g, acc[g][0]), _mm256_storeu_ps(out + 16 * g + 8, acc[g][1]);
+#endif
 }
 
 // A prompt's products (more than a few rows): register tiles of outputs, each weight loaded into a

@@ -154,15 +154,16 @@ def test_rows_of_other_lengths_are_refused():
         q4_k.quantize_rows(torch.zeros(4, 1600))
 
 
-@pytest.mark.parametrize("B", [1, 3, 6, 8])  # the kernel takes x's rows four at a time: 3, 6 = 4 + 2, 8 = 4 + 4
-@pytest.mark.parametrize("K, N", [(256, 70), (512, 5)] + GPT2_SMALL)  # spans' tails: 70 and 5 rows
+@pytest.mark.parametrize("B", [1, 3, 6, 8])  # 8: the most a step takes; more, a prompt's spans taken in turn
+@pytest.mark.parametrize("K, N", [(256, 70), (512, 5)] + GPT2_SMALL)  # groups of 16 with rows left: 70 and 5
 def test_rows_q4k_matches_its_reference(build, B, K, N):
     g = torch.Generator().manual_seed(K + N)
     x, bias = torch.randn(B, K, generator=g), torch.randn(N, generator=g)
     blocks = torch.from_numpy(random_blocks("Q4_K", N, K, seed=N))
     reference = kernels.rows_q4k_reference(x, blocks, bias)
-    assert relative(kernels.rows_q4k(x, blocks, bias), reference) < 1e-5
-    assert relative(kernels.rows_q4k(x, blocks, None), kernels.rows_q4k_reference(x, blocks, None)) < 1e-5
+    grouped = q4_k.group_rows(blocks)
+    assert relative(kernels.rows_q4k(x, grouped, bias), reference) < 1e-5
+    assert relative(kernels.rows_q4k(x, grouped, None), kernels.rows_q4k_reference(x, blocks, None)) < 1e-5
     exact = x @ q4_k.dequantize_rows(blocks, K).t() + bias  # what int8 input blocks approximate
     assert relative(reference, exact) < 0.03
 
@@ -186,7 +187,7 @@ def test_x_is_quantized_per_256_as_llama_cpp_s_q8_k(build, B):
     assert torch.equal(xq.view(B, K // 256, 256).long(), ints)
     blocks = torch.from_numpy(random_blocks("Q4_K", N, K, seed=3))
     exact = x.double() @ q4_k.dequantize_rows(blocks, K).double().t()
-    assert relative(kernels.rows_q4k(x, blocks, None).double(), exact) < 1e-6
+    assert relative(kernels.rows_q4k(x, q4_k.group_rows(blocks), None).double(), exact) < 1e-6
     assert relative(kernels.rows_q4k_reference(x, blocks, None).double(), exact) < 1e-6
 
 
@@ -194,7 +195,42 @@ def test_rows_q4k_at_the_head_shape(build):  # more rows than any block's: 50257
     g = torch.Generator().manual_seed(0)
     x, bias = torch.randn(2, 768, generator=g), torch.randn(VOCAB, generator=g)
     blocks = torch.from_numpy(random_blocks("Q4_K", VOCAB, 768, seed=1))
-    assert relative(kernels.rows_q4k(x, blocks, bias), kernels.rows_q4k_reference(x, blocks, bias)) < 1e-5
+    grouped = q4_k.group_rows(blocks)
+    assert relative(kernels.rows_q4k(x, grouped, bias), kernels.rows_q4k_reference(x, blocks, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("N", [5, 16, 70])  # fewer rows than a group, one group, four groups and 6 rows left
+def test_the_kernels_layout_holds_each_value_where_q4_k_documents_it(N):
+    blocks = torch.from_numpy(random_blocks("Q4_K", N, 512, seed=N))
+    grouped = q4_k.group_rows(blocks)
+    assert grouped.shape == blocks.shape and torch.equal(q4_k.ungroup_rows(grouped), blocks)
+    flat = grouped.view(-1)
+    for r in range(N):  # row r's bytes, found by the layout the module docstring gives
+        first, n = r // q4_k.GROUP * q4_k.GROUP, min(q4_k.GROUP, N - r // q4_k.GROUP * q4_k.GROUP)
+        i = r - first  # the row's place in its group
+        for j in range(2):  # each super-block
+            at = first * 2 * q4_k.BYTES + j * q4_k.BYTES * n
+            row = blocks[r, j * q4_k.BYTES : (j + 1) * q4_k.BYTES]
+            assert torch.equal(flat[at + 2 * i : at + 2 * i + 2], row[0:2])  # d
+            assert torch.equal(flat[at + 2 * n + 2 * i : at + 2 * n + 2 * i + 2], row[2:4])  # dmin
+            assert torch.equal(flat[at + 4 * n + i : at + 16 * n : n], row[4:16])  # scale byte p at 4n + pn + i
+            for quad in range(32):  # c = quad // 8, t = quad % 8: bytes 32c + 4t .. + 3 of the row's qs
+                start = at + 16 * n + 4 * n * quad + 4 * i
+                assert torch.equal(flat[start : start + 4], row[16 + 4 * quad : 20 + 4 * quad])
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_rows_q4k_at_the_largest_levels_and_inputs(build, sign):
+    # every level 15 and every scale 63, x all at its largest, so each 32-value sum is as large as it
+    # can be (the AVX2 kernel adds eight quads' pairs in int16 before widening: 30480 at most)
+    K, N = 768, 37
+    q = torch.full((N, K // 256, 256), 15, dtype=torch.uint8)
+    sc = torch.full((N, K // 256, 8), 63, dtype=torch.uint8)
+    d = torch.full((N, K // 256), 0.01, dtype=torch.float16)
+    blocks = q4_k.pack(d, d, sc, sc, q).view(N, -1)
+    x = torch.full((2, K), 3.0 * sign)
+    exact = x.double() @ q4_k.dequantize_rows(blocks, K).double().t()
+    assert relative(kernels.rows_q4k(x, q4_k.group_rows(blocks), None).double(), exact) < 1e-6
 
 
 def q4_model(n_layer: int = 2, tied: bool = True) -> tuple[GPT2LMHeadModel, GPT2LMHeadModel]:

@@ -375,7 +375,7 @@ def _step_tensors(model):
     """The packed tensors a decoding step reads, in the order it reads them."""
     names = [f"transformer.h.{i}.{n}" for i in range(model.config.n_layer)
              for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + ["lm_head"]
-    return [getattr(model.get_submodule(n), a) for n in names for a in ("weight16", "weight8", "scale", "blocks")
+    return [getattr(model.get_submodule(n), a) for n in names for a in ("weight16", "weight8", "scale", "grouped")
             if isinstance(getattr(model.get_submodule(n), a, None), torch.Tensor)]
 
 
