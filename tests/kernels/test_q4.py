@@ -219,6 +219,20 @@ def test_the_kernels_layout_holds_each_value_where_q4_k_documents_it(N):
                 assert torch.equal(flat[start : start + 4], row[16 + 4 * quad : 20 + 4 * quad])
 
 
+def test_rows_q4k_gives_the_same_bits_on_any_threads_and_in_a_prompt(build):
+    # a row's sum is one group's, whichever thread takes it, read in quarters or among the rows left
+    # (the last group padded), for a step's rows or a prompt's
+    g = torch.Generator().manual_seed(7)
+    grouped = q4_k.group_rows(torch.from_numpy(random_blocks("Q4_K", 3072 + 5, 768, seed=7)))
+    x = torch.randn(40, 768, generator=g)
+    outs = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            outs += [kernels.rows_q4k(x, grouped, None), kernels.rows_q4k(x[:3], grouped, None)]
+    for out in outs:
+        assert torch.equal(out, outs[0][: out.size(0)])
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_rows_q4k_at_the_largest_levels_and_inputs(build, sign):
     # every level 15 and every scale 63, x all at its largest, so each 32-value sum is as large as it
