@@ -102,7 +102,7 @@ class DecodeStep:
         if isinstance(layer, Q4Linear):
             weight, kind = layer.grouped, kernels.ROWS_Q4K  # (out, in/256 * 144) bytes, by groups of 16 rows
         elif isinstance(layer, Int8Linear):
-            weight, scale, kind = layer.weight8, layer.scale, kernels.ROWS_Q8
+            weight, scale, kind = layer.grouped, layer.scale, kernels.ROWS_Q8  # int8 rows by groups of 16
         elif isinstance(layer, HalfLinear):
             weight, kind = layer.weight16, kernels.ROWS[layer.weight16.dtype]  # (out, in)
         elif isinstance(layer, (Conv1D, Float32Linear, nn.Linear)):

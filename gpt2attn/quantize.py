@@ -36,9 +36,9 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
   - more rows (a prompt): fp32 and 16-bit weights through the same kernels in register tiles
     (16-bit weights widened in registers; without the kernels, torch's product on the weight
     widened to fp32), except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16
-    product (see HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, a tile of
-    rows at a time), so the one int8 copy serves prompts and steps, and a prompt's results equal
-    decoding's to fp32 rounding (an int8 layer whose input width is not a multiple of 32 takes
+    product (see HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, every
+    row in one pass over the weights), so the one int8 copy serves prompts and steps, and a
+    prompt's products equal decoding's to the bit (an int8 layer whose input width is not a multiple of 32 takes
     torch's fp32 product on its dequantized weight instead); q4's Q4_K layers through the same
     kernel as their decoding too (every row in one pass over the weights).
 Weight-only int8 through torch or torchao and fbgemm for decoding were measured slower
@@ -240,7 +240,7 @@ class Int8Linear(PackedLinear):
     `Int8Linear(weight (out, in), bias)` quantizes an nn.Linear's weight; conv=True takes a
     Conv1D's (in, out)."""
 
-    prefill_kernel = "gpt2attn int8 rows, a tile of rows at a time (input in blocks of 32)"
+    prefill_kernel = "gpt2attn int8 rows by groups of 16, every row of a prompt in one pass (input in blocks of 32)"
     decode_kernel = "gpt2attn int8 rows (input in blocks of 32)"
     decode_reference = "the int8 rows' reference, input in blocks of 32"
 
@@ -252,12 +252,19 @@ class Int8Linear(PackedLinear):
         with warnings.catch_warnings():  # torch 2.13 deprecates creating quantized tensors
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        # plain int8 (out, in) rows and their scales: the one copy prompts and steps both read
+        # the int8 (out, in) rows by groups of 16, as the kernel reads them, and their scales: the
+        # one copy prompts and steps both read
         levels, scales = qweight.int_repr(), qweight.q_per_channel_scales()
         del qweight  # before the copies: no more than two int8 copies at once
-        self._slot("weight8", levels.shape, torch.int8).copy_(levels)
+        cpu_kernels.group_rows_q8(levels, out=self._slot("grouped", levels.shape, torch.uint8))
         self._slot("scale", scales.shape, torch.float32).copy_(scales)
         self.bias = bias
+
+    @property
+    def weight8(self) -> Tensor:
+        """The int8 weight (out, in), each row's own (made when asked from `grouped`, the same
+        weights in the kernel's order)."""
+        return cpu_kernels.ungroup_rows_q8(self.grouped)
 
     def int8_weight(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """(int8 weight (out, in), fp32 scale per output channel (out,), bias or None)."""
@@ -281,7 +288,7 @@ class Int8Linear(PackedLinear):
         return super().kernel
 
     def decode(self, x: Tensor) -> Tensor:
-        return cpu_kernels.rows_q8(x, self.weight8, self.scale, self.bias)
+        return cpu_kernels.rows_q8(x, self.grouped, self.scale, self.bias)
 
     def prefill(self, x: Tensor) -> Tensor:
         if self._decodes(x):  # under torch.compile too: the input in blocks of 32 all the same

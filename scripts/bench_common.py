@@ -127,7 +127,7 @@ def weight_bytes(model) -> int:
     total = 0
     for mod in model.modules():
         if isinstance(mod, CpuLinear):
-            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "weight8", "scale", "grouped")):
+            for t in (getattr(mod, name, None) for name in ("weight", "weight16", "scale", "grouped")):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
     return total

@@ -7,9 +7,9 @@ threads, and accumulate in fp32:
 
     cols(x, w, bias)            w (K, N) fp32, Conv1D's layout                          -> (B, N)
     rows(x, w, bias)            w (N, K), nn.Linear's layout (the LM head), fp32, fp16 or bf16 -> (B, N)
-    rows_q8(x, w8, scale, bias) w8 (N, K) int8 with one fp32 scale per row; x quantized per call
-                                in blocks of 32 (quantize_q8); any B: a prompt's rows
-                                too, a tile of them at a time (compute-bound then)      -> (B, N)
+    rows_q8(x, grouped, scale, bias)  int8 rows (N, K) with one fp32 scale per row, by groups of
+                                16 rows (group_rows_q8); x quantized per call in blocks of 32
+                                (quantize_q8); any B: a prompt's rows too               -> (B, N)
     rows_q4k(x, grouped, bias)  grouped (N, K/256 * 144) uint8, llama.cpp's Q4_K by groups of 16
                                 rows (gpt2attn.q4_k.group_rows); x quantized per 256 as
                                 llama.cpp's Q8_K                                        -> (B, N)
@@ -230,7 +230,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 # The weights as decode.cpp reads them: each matrix a Matrix of one kind (decode.cpp's Kind).
 COLS_F32 = 0  # (K, N), Conv1D's layout
 ROWS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # (N, K), nn.Linear's layout
-ROWS_Q8 = 4  # (N, K) int8, one scale per row
+ROWS_Q8 = 4  # (N, K) uint8: int8 rows, one scale per row, by groups of 16 (group_rows_q8)
 ROWS_Q4K = 5  # (N, K/256 * 144) uint8: the rows' Q4_K super-blocks by groups of 16 (q4_k.group_rows)
 
 
@@ -338,13 +338,60 @@ def quantize_q8_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8).view(x.shape), scale
 
 
-def rows_q8(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """x (B, K) fp32 times (w8 (N, K) int8 · scale (N,))ᵀ plus bias -> (B, N) fp32, with x
-    quantized as quantize_q8 does first. K must be a multiple of 32."""
-    if library() is None:
-        return rows_q8_reference(x, w8, scale, bias)
+Q8_GROUP = 16  # int8 rows a group holds (simd.h's Q8_GROUP)
+
+
+def group_rows_q8(w8: Tensor, out: Tensor | None = None) -> Tensor:
+    """int8 rows (N, K) -> the same weights as the int8 kernel reads them, (N, K) uint8 (into `out`
+    where given): by groups of 16 rows, the last holding the N mod 16 rows left, each group of n
+    rows K/4 quads of 4n bytes, quad p holding bytes 4p .. 4p + 3 of row r at 4r (then, where K is
+    not a multiple of 4, each of the last K mod 4 bytes of the n rows in turn), and each weight w stored as
+    the byte w + 128 (simd.h's dot_q8g). So one 64-byte load holds the same four weights of 16
+    rows. Grouped a few thousand rows at a time: no copy of the whole."""
     assert w8.dtype == torch.int8
-    return product(matrix(w8, bias, ROWS_Q8, scale), x)
+    N, K = w8.shape
+    out = torch.empty(N, K, dtype=torch.uint8) if out is None else out
+    for r0 in range(0, N, Q8_GROUP * 256):
+        rows = w8[r0 : r0 + Q8_GROUP * 256].view(torch.uint8) ^ 0x80  # (n, K): w + 128
+        _regroup(rows, out[r0 : r0 + rows.size(0)], to_groups=True)
+    return out
+
+
+def ungroup_rows_q8(grouped: Tensor) -> Tensor:
+    """The int8 rows (N, K) that group_rows_q8 laid out as `grouped`."""
+    w8 = torch.empty(grouped.shape, dtype=torch.uint8)
+    _regroup(w8, grouped, to_groups=False)
+    return (w8 ^ 0x80).view(torch.int8)
+
+
+def _regroup(rows: Tensor, grouped: Tensor, to_groups: bool) -> None:
+    """Copy rows (n, K) into `grouped`, their bytes as group_rows_q8 lays them out (its first row
+    starting a group), or back."""
+    n, K = rows.shape
+    whole, quads = n // Q8_GROUP * Q8_GROUP, K // 4 * 4
+    for r0, G, g in ((0, whole // Q8_GROUP, Q8_GROUP), (whole, 1, n - whole)):  # whole groups, then the last
+        r1 = r0 + G * g
+        if r1 == r0:
+            continue
+        by_row = rows[r0:r1].view(G, g, K)
+        by_group = grouped[r0:r1].reshape(G, g * K)
+        pairs = ((by_row[..., :quads].reshape(G, g, K // 4, 4).transpose(1, 2), by_group[:, : g * quads].view(G, K // 4, g, 4)),
+                 (by_row[..., quads:].transpose(1, 2), by_group[:, g * quads :].view(G, K - quads, g)))
+        for in_rows, in_groups in pairs:
+            if to_groups:
+                in_groups.copy_(in_rows)
+            else:
+                in_rows.copy_(in_groups)
+
+
+def rows_q8(x: Tensor, grouped: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """x (B, K) fp32 times (the int8 rows `grouped` (N, K), laid out by group_rows_q8, · scale
+    (N,))ᵀ plus bias -> (B, N) fp32, with x quantized as quantize_q8 does first. K must be a
+    multiple of 32."""
+    if library() is None:
+        return rows_q8_reference(x, ungroup_rows_q8(grouped), scale, bias)
+    assert grouped.dtype == torch.uint8
+    return product(matrix(grouped, bias, ROWS_Q8, scale), x)
 
 
 def rows_q8_reference(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:

@@ -13,11 +13,12 @@
 //                            each thread a share of the rows (a step) or spans of them (a
 //                            prompt), each read as four far-apart streams (simd.h's dot4: row i
 //                            of each quarter of the share together)
-//   ROWS_Q8                  (N, K) int8 with one fp32 scale per row; x is quantized in blocks of
-//                            32 with one scale each (llama.cpp's q8_0), each block's 32 products
-//                            summed exactly in int32. Any number of rows: a prompt's (the int8
-//                            model's one copy serves prompts too) are taken in tiles of Q8_ROWS
-//                            rows, in chunks of x that stay in the core's cache
+//   ROWS_Q8                  (N, K) int8 with one fp32 scale per row, laid out by groups of 16
+//                            rows (simd.h); x is quantized in blocks of 32 with one scale each
+//                            (llama.cpp's q8_0), each block's 32 products summed exactly in int32,
+//                            16 rows in the lanes of one register. Any number of rows: a prompt's
+//                            (the int8 model's one copy serves prompts too) a row at a time, in
+//                            chunks of x that stay in the core's cache
 //   ROWS_Q4K                 (N, K) as llama.cpp's Q4_K super-blocks of 256 (144 bytes), K a
 //                            multiple of 256, laid out by groups of 16 rows (simd.h); x quantized
 //                            as llama.cpp's Q8_K (one scale per 256, by each thread for itself,
@@ -91,8 +92,7 @@ struct Model {
 
 namespace {
 
-using gpt2attn::dot4, gpt2attn::dot4_q8, gpt2attn::hsum, gpt2attn::load, gpt2attn::Q8_ROWS,
-    gpt2attn::widen;
+using gpt2attn::dot4, gpt2attn::hsum, gpt2attn::load, gpt2attn::widen;
 
 enum Epilogue { STORE, GELU, ADD };  // y = acc + b;  y = gelu(acc + b);  y += acc + b (the residual)
 
@@ -242,8 +242,9 @@ struct Products {
     std::vector<int8_t> xq;      // (copies, B, max_k): x quantized for ROWS_Q8, a copy per thread for few rows
     std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
+    std::vector<int32_t> xsums;  // (copies, B, max_k / 32): for ROWS_Q8, each block's sum of xq
     std::vector<int16_t> bsums;  // (threads, B, max_k / 32): for ROWS_Q4K, each block's sum of xq (xs: one scale per 256)
-    std::vector<uint8_t> last_group;  // (threads, max_k / 256 * Q4K_GROUP_BYTES): a last group of fewer Q4_K rows, padded
+    std::vector<uint8_t> last_group;  // (threads, 16 max_k): a last group of fewer int8 or Q4_K rows, padded
 
     // cols_n: the widest N of a COLS_F32 matrix, rows_n of a rows matrix, k: the widest K; q4k:
     // whether a ROWS_Q4K matrix may come (its scratch space is then made too)
@@ -251,8 +252,8 @@ struct Products {
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k),
           max_span(span_rows(rows_n, rows > ALONE_ROWS ? SPANS * nthreads : nthreads)),
           partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
-          sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0),
-          last_group(q4k ? nthreads * (k / 256) * gpt2attn::Q4K_GROUP_BYTES : 0) {}
+          xsums(copies(q4k) * rows * (k / 32)), sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0),
+          last_group(nthreads * gpt2attn::Q8_GROUP * k) {}
 
     // copies of x quantized: one a thread for a few rows (and always for ROWS_Q4K, whose threads each
     // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
@@ -344,50 +345,60 @@ struct Products {
         });  // implicit barrier
     }
 
+    // int8 rows in groups of 16 (simd.h), read as rows_q4k reads Q4_K's: measured against four
+    // rows side by side, each summed across its lanes at the end (2026-11-28, AMD EPYC Zen 5, 2
+    // threads, see docs/cpu-decoding.md), a product of 240 MB read 97% of a plain read of the same
+    // bytes instead of 89% when memory read at about 90 GB/s
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, nb = K / 32;
+        const int64_t K = W.K, nb = K / 32, group_bytes = gpt2attn::Q8_GROUP * K;
         // x quantized: a few rows by every thread for itself (a few microseconds; no barrier before
         // the products), a prompt's rows by the threads together into one copy
         const bool together = B > ALONE_ROWS;
         const int64_t copy = together ? 0 : omp_get_thread_num();
         int8_t* xq_all = xq.data() + copy * B * max_k;  // (B, K)
         float* xs_all = xs.data() + copy * B * (max_k / 32);  // (B, K / 32)
+        int32_t* xsums_all = xsums.data() + copy * B * (max_k / 32);  // (B, K / 32)
         if (together) {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) gpt2attn::quantize_q8(x + b * K, nb, xq_all + b * K, xs_all + b * nb);
+            for (int64_t b = 0; b < B; b++)
+                gpt2attn::quantize_q8(x + b * K, nb, xq_all + b * K, xs_all + b * nb, xsums_all + b * nb);
             // implicit barrier: every row is quantized before any is read
         } else {
-            gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all);
+            gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all, xsums_all);
         }
-        const int8_t* w = (const int8_t*)W.weight;
-        float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
-        const int64_t chunk = std::max<int64_t>(Q8_ROWS, X_CHUNK_BYTES / K / Q8_ROWS * Q8_ROWS);  // rows of x
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
-            const int64_t n = r1 - r0, q = n / 4;
-            float out[Q8_ROWS * 4];
-            // the rows i, i + q, i + 2q, i + 3q of the span, times a tile of input rows at a time
-            auto tile = [&](auto rows, int64_t i, int64_t b) {
-                dot4_q8<decltype(rows)::value>(xq_all + b * K, xs_all + b * nb, w + (r0 + i) * K, q * K, K, b == 0, out);
-                for (int m = 0; m < rows; m++)
-                    for (int j = 0; j < 4; j++) mine[(b + m) * n + i + j * q] = out[m * 4 + j] * W.scale[r0 + i + j * q];
+        const int t = omp_get_thread_num();
+        float* mine = sums.data() + t * B * max_span;  // (B, n)
+        const int64_t chunk = std::max<int64_t>(1, X_CHUNK_BYTES / K);  // rows of x
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
+            // the span's groups as four far-apart streams, group i of each quarter together; then
+            // what the quarters leave, the last of all padded if it has fewer rows
+            const int64_t n = r1 - r0, whole = n / gpt2attn::Q8_GROUP, q = whole / 4;
+            const uint8_t* span = (const uint8_t*)W.weight + r0 * K;
+            float out[4 * gpt2attn::Q8_GROUP];
+            auto keep = [&](int64_t b, int64_t row, const float* sums_, int64_t rows) {  // row of the span
+                for (int64_t r = 0; r < rows; r++) mine[b * n + row + r] = sums_[r] * W.scale[r0 + row + r];
             };
-            for (int64_t b0 = 0; b0 < B; b0 += chunk)  // a chunk of x stays in cache while the span's rows pass
-                for (int64_t i = 0; i < q; i++) {
-                    const int64_t b1 = b0 + chunk < B ? b0 + chunk : B;
-                    int64_t b = b0;
-                    for (; b + Q8_ROWS <= b1; b += Q8_ROWS) tile(std::integral_constant<int, Q8_ROWS>(), i, b);
-                    for (; b < b1; b++) tile(std::integral_constant<int, 1>(), i, b);
-                }
-            for (int64_t r = r0 + 4 * q; r < r1; r++)
-                for (int64_t b = 0; b < B; b++) {
-                    float total = 0.0f;
-                    for (int64_t j = 0; j < nb; j++) {
-                        int32_t s = 0;
-                        for (int i = 0; i < 32; i++) s += (int32_t)xq_all[b * K + 32 * j + i] * w[r * K + 32 * j + i];
-                        total += xs_all[b * nb + j] * (float)s;
+            for (int64_t b0 = 0; b0 < B; b0 += chunk)  // a chunk of x stays in cache while the span's groups pass
+                for (int64_t i = 0; i < q; i++)
+                    for (int64_t b = b0; b < std::min(B, b0 + chunk); b++) {  // the groups' bytes stay in cache after the first
+                        gpt2attn::dot_q8g<4>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, span + i * group_bytes,
+                                             q * group_bytes, out);
+                        for (int quarter = 0; quarter < 4; quarter++)
+                            keep(b, (quarter * q + i) * gpt2attn::Q8_GROUP, out + quarter * gpt2attn::Q8_GROUP, gpt2attn::Q8_GROUP);
                     }
-                    mine[b * n + r - r0] = total * W.scale[r];
+            for (int64_t g = 4 * q * gpt2attn::Q8_GROUP; g < n; g += gpt2attn::Q8_GROUP) {
+                const int64_t rows = std::min(gpt2attn::Q8_GROUP, n - g);
+                const uint8_t* group = span + g * K;
+                if (rows < gpt2attn::Q8_GROUP) {
+                    uint8_t* padded = last_group.data() + t * max_k * gpt2attn::Q8_GROUP;
+                    gpt2attn::q8_pad_group(group, rows, K, padded);
+                    group = padded;
                 }
+                for (int64_t b = 0; b < B; b++) {
+                    gpt2attn::dot_q8g<1>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, group, 0, out);
+                    keep(b, g, out, rows);
+                }
+            }
             for (int64_t b = 0; b < B; b++)
                 finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
         });  // implicit barrier
@@ -419,7 +430,7 @@ struct Products {
                 const int64_t rows = std::min(gpt2attn::Q4K_GROUP, n - g);
                 const uint8_t* group = span + g / gpt2attn::Q4K_GROUP * group_bytes;
                 if (rows < gpt2attn::Q4K_GROUP) {
-                    uint8_t* padded = last_group.data() + t * (max_k / 256) * gpt2attn::Q4K_GROUP_BYTES;
+                    uint8_t* padded = last_group.data() + t * max_k * gpt2attn::Q8_GROUP;  // (as many bytes as Q4_K rows need)
                     gpt2attn::q4k_pad_group(group, rows, K, padded);
                     group = padded;
                 }

@@ -1,11 +1,11 @@
 // The vector pieces of decode.cpp: widening 8 weights to fp32, a horizontal sum, the
 // quantization of activations in blocks of 32 (llama.cpp's q8_0 layout) or, for Q4_K rows, of 256
 // (its Q8_K), and the inner loop of every (N, K) rows product: four rows' dot products with one
-// input row (dot4) or a tile of input rows (dot4_q8), or a group of 16 Q4_K rows' (dot_q4k).
+// input row (dot4), or those of a group of 16 int8 rows (dot_q8g) or 16 Q4_K rows (dot_q4k).
 //
 // AVX2, FMA and F16C always; where the build has AVX-512 (F, BW, VL, DQ and VNNI: the kernels are
-// built with those flags on a CPU that has them), dot4 and dot4_q8 take 16 floats or 64 int8 a
-// step, and the int8 products one VNNI instruction (vpdpbusd) per 64 bytes instead of three.
+// built with those flags on a CPU that has them), dot4 takes 16 floats a step, and the int8
+// products one VNNI instruction (vpdpbusd) per 64 bytes instead of several.
 #pragma once
 
 #include <immintrin.h>
@@ -80,11 +80,13 @@ inline int32_t round32(const float* p, float scale, int8_t* q) {
 }
 
 // n_blocks blocks of 32 floats x -> q (32 int8 each) and scales (one each): scale = max|x| / 127,
-// q = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does.
-inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scales) {
+// q = round-half-even(x / scale) (0 where the block is all zeros), as the torch reference does;
+// and, where sums is given, each block's sum of q (what dot_q8g's unsigned weights take back).
+inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scales, int32_t* sums = nullptr) {
     for (int64_t j = 0; j < n_blocks; j++) {
         scales[j] = abs_max(x + 32 * j, 32) / 127.0f;
-        round32(x + 32 * j, scales[j], q + 32 * j);
+        const int32_t sum = round32(x + 32 * j, scales[j], q + 32 * j);
+        if (sums) sums[j] = sum;
     }
 }
 
@@ -145,82 +147,72 @@ inline void dot4(const float* x, const T* w0, int64_t stride, int64_t K, bool pr
 #endif
 }
 
-// The int8 products, one step at a time: Q8_STEP blocks of 32 of an input row (q8_row), of each
-// weight row (q8_weights), then q8_madd: acc += the blocks' scales * (each block's 32 products,
-// summed exactly in int32). The u8 x s8 instructions take one side unsigned:
-//   AVX-512: two blocks a step (lanes 0-7 sum the first, 8-15 the second; a last step of an odd
-//            count loads one), one VNNI vpdpbusd per 64 bytes of (w + 128) as u8 times x, started
-//            from -128 x (so exactly w x), summed per 4 bytes;
-//   AVX2:    one block a step, |x| as u8 times w carrying x's sign (maddubs: pairs in int16, which
-//            127 x 127 x 2 cannot overflow), then madd.
-#ifdef GPT2ATTN_AVX512
-using Q8Acc = __m512;
-using Q8Bytes = __m512i;
-constexpr int64_t Q8_STEP = 2;
-constexpr int Q8_ROWS = 4;  // input rows a dot4_q8 tile takes at once (16 accumulators of 32 registers)
-struct Q8Row {
-    __m512i xv, start;  // x, and -128 x summed per 4 bytes
-    __m512 s;           // the blocks' scales, 8 lanes each
-};
-// Q8_STEP blocks of an int8 row from p (one, where `blocks`, those left, is 1)
-inline __m512i q8_load(const int8_t* p, int64_t blocks) {
-    return _mm512_maskz_loadu_epi8(blocks >= 2 ? ~0ULL : 0xFFFFFFFFULL, p);
-}
-inline Q8Bytes q8_weights(const int8_t* w, int64_t blocks) {
-    return _mm512_xor_si512(q8_load(w, blocks), _mm512_set1_epi8((char)0x80));  // w + 128, as u8
-}
-inline Q8Row q8_row(const int8_t* xq, const float* xs, int64_t blocks) {
-    const __m512i xv = q8_load(xq, blocks), zero = _mm512_setzero_si512();
-    const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)0x80), xv));
-    return {xv, start, _mm512_insertf32x8(_mm512_set1_ps(xs[0]), _mm256_set1_ps(blocks >= 2 ? xs[1] : 0.0f), 1)};
-}
-inline Q8Acc q8_madd(const Q8Row& x, Q8Bytes w, Q8Acc acc) {
-    return _mm512_fmadd_ps(x.s, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(x.start, w, x.xv)), acc);
-}
-inline float q8_sum(Q8Acc acc) { return _mm512_reduce_add_ps(acc); }
-#else
-using Q8Acc = __m256;
-using Q8Bytes = __m256i;
-constexpr int64_t Q8_STEP = 1;
-constexpr int Q8_ROWS = 2;  // input rows a dot4_q8 tile takes at once (8 accumulators of 16 registers)
-struct Q8Row {
-    __m256i xv, ax;  // x, |x|
-    __m256 s;        // the block's scale
-};
-inline Q8Bytes q8_weights(const int8_t* w, int64_t) { return _mm256_loadu_si256((const __m256i*)w); }
-inline Q8Row q8_row(const int8_t* xq, const float* xs, int64_t) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)xq);
-    return {xv, _mm256_sign_epi8(xv, xv), _mm256_set1_ps(xs[0])};
-}
-inline Q8Acc q8_madd(const Q8Row& x, Q8Bytes w, Q8Acc acc) {
-    const __m256i pairs = _mm256_maddubs_epi16(x.ax, _mm256_sign_epi8(w, x.xv));
-    return _mm256_fmadd_ps(x.s, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1))), acc);
-}
-inline float q8_sum(Q8Acc acc) { return hsum(acc); }
-#endif
+// int8 rows in groups of Q8_GROUP rows (gpt2attn.kernels.group_rows_q8): a group of n rows is K / 4
+// quads of 4 n bytes, quad p holding bytes 4p .. 4p + 3 of row r at 4r, each
+// weight w stored as the unsigned byte w + 128; so one 64-byte load holds the same four weights of
+// 16 rows. A last group of fewer rows (N not a multiple of 16) is copied into 16 rows' layout, its
+// missing rows zeros, before it is read (q8_pad_group).
+constexpr int64_t Q8_GROUP = 16;
 
-// out[m * 4 + i] = sum over blocks j of xs[m][j] * (xq[m] . w[i]) over block j's 32 values, for
-// MT input rows m (xq, xs: rows K and K / 32 apart) and the four int8 rows w[i] = w0 + i * stride;
-// K a multiple of 32. Each step loads the four rows' bytes once for all MT input rows (decoding
-// takes a tile of its few rows, a prompt Q8_ROWS at a time).
-template <int MT>
-inline void dot4_q8(const int8_t* xq, const float* xs, const int8_t* w0, int64_t stride, int64_t K, bool prefetch,
-                    float* out) {
-    const int8_t* w[4] = {w0, w0 + stride, w0 + 2 * stride, w0 + 3 * stride};
-    const int64_t nb = K / 32;
-    Q8Acc acc[MT][4] = {};
-    for (int64_t j = 0; j < nb; j += Q8_STEP) {
-        if (prefetch)
-            for (int64_t b = 0; b < Q8_STEP; b++) prefetch4(w[0], w[1], w[2], w[3], (j + b) * 32);
-        Q8Bytes wv[4];
-        for (int i = 0; i < 4; i++) wv[i] = q8_weights(w[i] + 32 * j, nb - j);
-        for (int m = 0; m < MT; m++) {
-            const Q8Row x = q8_row(xq + m * K + 32 * j, xs + m * nb + j, nb - j);
-            for (int i = 0; i < 4; i++) acc[m][i] = q8_madd(x, wv[i], acc[m][i]);
+// The last group's n < 16 rows (from `group`, K values each) laid out as a whole group's in `padded`
+// (16 K bytes), rows n..15 zeros
+inline void q8_pad_group(const uint8_t* group, int64_t n, int64_t K, uint8_t* padded) {
+    memset(padded, 0, Q8_GROUP * K);
+    for (int64_t p = 0; p < K / 4; p++) memcpy(padded + 64 * p, group + 4 * n * p, 4 * n);
+}
+
+// out[16 g + r] = sum over blocks j of xs[j] * (x . row r of group g over block j's 32 values), for
+// the groups g = 0..NG-1 at group0 + g * stride, x quantized in blocks of 32 (xq, xs) with each
+// block's sum of xq (xsums); K a multiple of 32. Each block's products are summed exactly in int32,
+// row r's in lane r, then times xs[j] into an fp32 lane: the same sums, in the same order, in
+// both builds and whatever the rows around.
+//   AVX-512: one VNNI vpdpbusd per 64 bytes ((w + 128) as u8 times x's four bytes broadcast),
+//            started from -128 times the block's sum of x, so exactly w . x;
+//   AVX2:    per 32 bytes (8 rows), w back to signed, |x| times w carrying x's sign (maddubs:
+//            pairs in int16, which 127 x 127 x 2 cannot overflow), then madd into int32.
+template <int NG>
+inline void dot_q8g(const int8_t* xq, const float* xs, const int32_t* xsums, int64_t K, const uint8_t* group0,
+                    int64_t stride, float* out) {
+    const int32_t* x4 = (const int32_t*)xq;  // x four bytes at a time
+#ifdef GPT2ATTN_AVX512
+    __m512 acc[NG];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / 32; j++) {
+        const __m512i start = _mm512_set1_epi32(-128 * xsums[j]);
+        __m512i dots[NG];
+        for (auto& v : dots) v = start;
+        for (int t = 0; t < 8; t++) {
+            const __m512i xv = _mm512_set1_epi32(x4[8 * j + t]);
+            for (int g = 0; g < NG; g++)
+                dots[g] = _mm512_dpbusd_epi32(dots[g], _mm512_loadu_si512(group0 + g * stride + 64 * (8 * j + t)), xv);
         }
+        const __m512 scale = _mm512_set1_ps(xs[j]);
+        for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dots[g]), acc[g]);
     }
-    for (int m = 0; m < MT; m++)
-        for (int i = 0; i < 4; i++) out[m * 4 + i] = q8_sum(acc[m][i]);
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(out + 16 * g, acc[g]);
+#else
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[NG][2];
+    for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 32; j++) {
+        __m256i dots[NG][2];
+        for (auto& d : dots) d[0] = d[1] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            const __m256i xv = _mm256_set1_epi32(x4[8 * j + t]), ax = _mm256_sign_epi8(xv, xv);
+            for (int g = 0; g < NG; g++)
+                for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15
+                    const __m256i w = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i*)(group0 + g * stride + 64 * (8 * j + t) + 32 * h)), flip);
+                    const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, xv));
+                    dots[g][h] = _mm256_add_epi32(dots[g][h], _mm256_madd_epi16(pairs, ones));
+                }
+        }
+        const __m256 scale = _mm256_set1_ps(xs[j]);
+        for (int g = 0; g < NG; g++)
+            for (int h = 0; h < 2; h++) acc[g][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots[g][h]), acc[g][h]);
+    }
+    for (int g = 0; g < NG; g++) _mm256_storeu_ps(out + 16 * g, acc[g][0]), _mm256_storeu_ps(out + 16 * g + 8, acc[g][1]);
+#endif
 }
 
 // Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py) in groups of Q4K_GROUP rows: each row K/256

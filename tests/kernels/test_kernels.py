@@ -72,7 +72,7 @@ def test_the_head_at_gpt2_small_shape(build, dtype):
     x, bias = torch.randn(3, 768, generator=G), torch.randn(VOCAB, generator=G)
     if dtype == torch.int8:
         w8, scale = torch.randint(-127, 128, (VOCAB, 768), generator=G, dtype=torch.int8), torch.rand(VOCAB, generator=G)
-        assert relative(kernels.rows_q8(x, w8, scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
+        assert relative(kernels.rows_q8(x, kernels.group_rows_q8(w8), scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
     else:
         w = (torch.randn(VOCAB, 768, generator=G) * 0.02).to(dtype)
         assert relative(kernels.rows(x, w, bias), kernels.rows_reference(x, w, bias)) < 1e-5
@@ -109,8 +109,8 @@ def test_rows_q8_matches_its_reference(build, B, K, N):
     _check_rows_q8(B, K, N)
 
 
-# a prompt's rows: quantized by the threads together (more than 8), in tiles of 2 or 4 rows and what
-# they leave, in chunks of 2^18 bytes of int8 x (84 rows at K = 3072: 130 rows are two chunks)
+# a prompt's rows: quantized by the threads together (more than 8), in chunks of 2^18 bytes of int8
+# x (85 rows at K = 3072: 130 rows are two chunks), spans taken in turn
 @pytest.mark.parametrize("B, K, N", [(9, 96, 70), (37, 768, 2304), (130, 3072, 768), (130, 768, 3072), (67, 768, 768)])
 def test_rows_q8_of_a_prompt_matches_its_reference(build, B, K, N):
     _check_rows_q8(B, K, N)
@@ -120,15 +120,66 @@ def _check_rows_q8(B, K, N):
     x, bias = torch.randn(B, K, generator=G), torch.randn(N, generator=G)
     w8 = torch.randint(-127, 128, (N, K), generator=G, dtype=torch.int8)
     scale = torch.rand(N, generator=G)
-    assert relative(kernels.rows_q8(x, w8, scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
+    assert relative(kernels.rows_q8(x, kernels.group_rows_q8(w8), scale, bias), kernels.rows_q8_reference(x, w8, scale, bias)) < 1e-5
     exact = x @ (w8.float() * scale[:, None]).t() + bias  # what int8 input blocks approximate
     assert relative(kernels.rows_q8_reference(x, w8, scale, bias), exact) < 0.02
+
+
+@pytest.mark.parametrize("N", [5, 16, 70])  # fewer rows than a group, one group, four groups and 6 rows left
+@pytest.mark.parametrize("K", [64, 7])  # quads only; a tail of 3 bytes a row
+def test_the_int8_layout_holds_each_weight_where_group_rows_q8_documents_it(N, K):
+    w8 = torch.randint(-127, 128, (N, K), generator=G, dtype=torch.int8)
+    grouped = kernels.group_rows_q8(w8)
+    assert grouped.shape == w8.shape and grouped.dtype == torch.uint8
+    assert torch.equal(kernels.ungroup_rows_q8(grouped), w8)
+    flat, quads = grouped.view(-1).tolist(), K // 4 * 4
+    for r in range(N):  # row r's weights, found by the layout the docstring gives
+        first = r // 16 * 16
+        n, i = min(16, N - first), r - first  # the rows of its group, its place there
+        for k in range(K):
+            at = first * K + (4 * n * (k // 4) + 4 * i + k % 4 if k < quads else 4 * n * (K // 4) + (k - quads) * n + i)
+            assert flat[at] == int(w8[r, k]) + 128, (r, k)
+
+
+def test_rows_q8_gives_the_same_bits_on_any_threads_in_a_prompt_and_in_either_build(monkeypatch):
+    # a row's sum is one group's, block by block in one order, whichever thread takes it, read in
+    # quarters or among the groups left (the last padded), for a step's rows or a prompt's, and
+    # the AVX2 build sums each block as exactly as the AVX-512 one
+    builds = kernel_builds()
+    if not builds:
+        pytest.skip("the kernels cannot run here")
+    w8 = torch.randint(-127, 128, (3072 + 5, 768), generator=G, dtype=torch.int8)
+    grouped, scale = kernels.group_rows_q8(w8), torch.rand(3072 + 5, generator=G)
+    x = torch.randn(40, 768, generator=G)
+    outs = []
+    for lib in builds.values():
+        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                outs += [kernels.rows_q8(x, grouped, scale, None), kernels.rows_q8(x[:3], grouped, scale, None)]
+    for out in outs:
+        assert torch.equal(out, outs[0][: out.size(0)])
+    assert relative(outs[0], kernels.rows_q8_reference(x, w8, scale, None)) < 1e-5
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_rows_q8_at_the_largest_weights_and_inputs(build, sign):
+    # every weight and every quantized input at 127 in magnitude, signs matched so every product adds:
+    # each 32-value sum as large as it can be (the AVX2 build adds pairs of 127 x 127 in int16)
+    K, N = 768, 37
+    pattern = torch.where(torch.arange(K) % 3 == 0, -1, 1)
+    w8 = (127 * pattern).to(torch.int8).expand(N, K).contiguous()
+    x = (3.0 * sign * pattern).float().expand(2, K).contiguous()
+    scale = torch.full((N,), 0.01)
+    exact = x.double() @ (w8.double() * scale.double()[:, None]).t()
+    assert torch.allclose(exact.abs(), torch.full_like(exact, 3.0 * 127 * 0.01 * K))  # every product adds
+    assert relative(kernels.rows_q8(x, kernels.group_rows_q8(w8), scale, None).double(), exact) < 1e-6
 
 
 def test_a_matrix_the_kernels_do_not_take_is_refused(build):
     x = torch.randn(1, 40, generator=G)
     with pytest.raises(ValueError, match="no matrix of kind 4 with K=40"):  # int8 rows need K in blocks of 32
-        kernels.rows_q8(x, torch.zeros(8, 40, dtype=torch.int8), torch.ones(8), None)
+        kernels.rows_q8(x, torch.zeros(8, 40, dtype=torch.uint8), torch.ones(8), None)
     with pytest.raises(TypeError, match="takes float32"):
         kernels.cols(x, torch.zeros(40, 8, dtype=torch.float16), None)
 
@@ -144,7 +195,7 @@ def test_without_the_kernels_every_product_is_its_reference(no_kernels):
     assert torch.equal(kernels.cols(x, w, bias), kernels.cols_reference(x, w, bias))
     assert torch.equal(kernels.rows(x, w.t(), bias), kernels.rows_reference(x, w.t(), bias))
     w8, scale = torch.randint(-127, 128, (32, 64), generator=G, dtype=torch.int8), torch.rand(32, generator=G)
-    assert torch.equal(kernels.rows_q8(x, w8, scale, None), kernels.rows_q8_reference(x, w8, scale, None))
+    assert torch.equal(kernels.rows_q8(x, kernels.group_rows_q8(w8), scale, None), kernels.rows_q8_reference(x, w8, scale, None))
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=1, std=0.1).eval()
     prompt = torch.randint(0, 97, (1, 6), generator=G)
     expected = model.generate(prompt, max_new_tokens=6)

@@ -34,7 +34,7 @@ def test_every_conv1d_and_the_head_become_int8_under_their_names(models):
     conv_names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     assert sorted(quantized) == sorted(conv_names + ["lm_head"]) and len(conv_names) == 4 * 2
     assert all(isinstance(q.get_submodule(n), Int8Linear) and q.get_submodule(n).conv for n in conv_names)
-    assert all(value.endswith("prefill: gpt2attn int8 rows, a tile of rows at a time (input in blocks of 32)") for value in quantized.values())
+    assert all(value.endswith("prefill: gpt2attn int8 rows by groups of 16, every row of a prompt in one pass (input in blocks of 32)") for value in quantized.values())
 
 
 def test_int8_logits_stay_close_to_transformers_fp32(models, ids):
@@ -375,7 +375,7 @@ def _step_tensors(model):
     """The packed tensors a decoding step reads, in the order it reads them."""
     names = [f"transformer.h.{i}.{n}" for i in range(model.config.n_layer)
              for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + ["lm_head"]
-    return [getattr(model.get_submodule(n), a) for n in names for a in ("weight16", "weight8", "scale", "grouped")
+    return [getattr(model.get_submodule(n), a) for n in names for a in ("weight16", "grouped", "scale")
             if isinstance(getattr(model.get_submodule(n), a, None), torch.Tensor)]
 
 
