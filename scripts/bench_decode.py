@@ -263,6 +263,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
             fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, beside[(mode, side)])]
             row["fraction_of_limit"] = statistics.median(fractions)
             row["fraction_of_limit_range"] = [min(fractions), max(fractions)]
+            row["fraction_of_limit_rounds"] = fractions  # each round's, beside read_rate_beside_gb_s's
             # the KV cache each timed step also reads, on average over them (see kv_bytes_per_token)
             row["kv_bytes_per_token"] = kv = kv_bytes_per_token(cfg, side, args.prompt, args.new)
             fractions = [tok_s * (nbytes + kv) / near for tok_s, near in zip(decodes, beside[(mode, side)])]
