@@ -347,12 +347,12 @@ def group_rows_q8(w8: Tensor, out: Tensor | None = None) -> Tensor:
     rows K/4 quads of 4n bytes, quad p holding bytes 4p .. 4p + 3 of row r at 4r (then, where K is
     not a multiple of 4, each of the last K mod 4 bytes of the n rows in turn), and each weight w stored as
     the byte w + 128 (simd.h's dot_q8g). So one 64-byte load holds the same four weights of 16
-    rows. Grouped a few thousand rows at a time: no copy of the whole."""
+    rows. Grouped 256 rows at a time: no copy of the whole."""
     assert w8.dtype == torch.int8
     N, K = w8.shape
     out = torch.empty(N, K, dtype=torch.uint8) if out is None else out
-    for r0 in range(0, N, Q8_GROUP * 256):
-        rows = w8[r0 : r0 + Q8_GROUP * 256].view(torch.uint8) ^ 0x80  # (n, K): w + 128
+    for r0 in range(0, N, Q8_GROUP * 16):  # temporaries of at most 256 rows, which malloc reuses
+        rows = w8[r0 : r0 + Q8_GROUP * 16].view(torch.uint8) ^ 0x80  # (n, K): w + 128
         _regroup(rows, out[r0 : r0 + rows.size(0)], to_groups=True)
     return out
 
