@@ -170,7 +170,7 @@ inline int64_t row_bytes(const Matrix& W) {
 // fp16 80% -> 83% of the read rate, int8 76% -> 79%, q4 69% -> 71%; at 34 GB/s the same. A
 // prompt's rows go in SPANS spans a thread, taken in turn, so that a thread slowed by other work
 // takes fewer. body(r0, r1) runs once per span (or share). A span is a multiple of 16 rows (the
-// last excepted), so it never splits a group of Q4_K rows (simd.h).
+// last excepted), so it never splits a group of int8 or Q4_K rows (simd.h).
 inline int64_t span_rows(int64_t N, int64_t spans) {
     return ((N + spans - 1) / spans + gpt2attn::Q4K_GROUP - 1) / gpt2attn::Q4K_GROUP * gpt2attn::Q4K_GROUP;
 }
