@@ -338,7 +338,7 @@ def quantize_q8_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8).view(x.shape), scale
 
 
-Q8_GROUP = 16  # int8 rows a group holds (simd.h's Q8_GROUP)
+GROUP_ROWS = q4_k.GROUP  # rows a group holds in the int8 layout as in Q4_K's (simd.h's GROUP_ROWS)
 
 
 def group_rows_q8(w8: Tensor, out: Tensor | None = None) -> Tensor:
@@ -351,8 +351,8 @@ def group_rows_q8(w8: Tensor, out: Tensor | None = None) -> Tensor:
     assert w8.dtype == torch.int8
     N, K = w8.shape
     out = torch.empty(N, K, dtype=torch.uint8) if out is None else out
-    for r0 in range(0, N, Q8_GROUP * 16):  # temporaries of at most 256 rows, which malloc reuses
-        rows = w8[r0 : r0 + Q8_GROUP * 16].view(torch.uint8) ^ 0x80  # (n, K): w + 128
+    for r0 in range(0, N, GROUP_ROWS * 16):  # temporaries of at most 256 rows, which malloc reuses
+        rows = w8[r0 : r0 + GROUP_ROWS * 16].view(torch.uint8) ^ 0x80  # (n, K): w + 128
         _regroup(rows, out[r0 : r0 + rows.size(0)], to_groups=True)
     return out
 
@@ -368,8 +368,8 @@ def _regroup(rows: Tensor, grouped: Tensor, to_groups: bool) -> None:
     """Copy rows (n, K) into `grouped`, their bytes as group_rows_q8 lays them out (its first row
     starting a group), or back."""
     n, K = rows.shape
-    whole, quads = n // Q8_GROUP * Q8_GROUP, K // 4 * 4
-    for r0, G, g in ((0, whole // Q8_GROUP, Q8_GROUP), (whole, 1, n - whole)):  # whole groups, then the last
+    whole, quads = n // GROUP_ROWS * GROUP_ROWS, K // 4 * 4
+    for r0, G, g in ((0, whole // GROUP_ROWS, GROUP_ROWS), (whole, 1, n - whole)):  # whole groups, then the last
         r1 = r0 + G * g
         if r1 == r0:
             continue

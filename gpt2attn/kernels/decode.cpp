@@ -172,7 +172,7 @@ inline int64_t row_bytes(const Matrix& W) {
 // takes fewer. body(r0, r1) runs once per span (or share). A span is a multiple of 16 rows (the
 // last excepted), so it never splits a group of int8 or Q4_K rows (simd.h).
 inline int64_t span_rows(int64_t N, int64_t spans) {
-    return ((N + spans - 1) / spans + gpt2attn::Q4K_GROUP - 1) / gpt2attn::Q4K_GROUP * gpt2attn::Q4K_GROUP;
+    return ((N + spans - 1) / spans + gpt2attn::GROUP_ROWS - 1) / gpt2attn::GROUP_ROWS * gpt2attn::GROUP_ROWS;
 }
 template <typename F>
 void for_spans(const Matrix& W, int64_t B, int threads, F&& body) {
@@ -253,7 +253,7 @@ struct Products {
           max_span(span_rows(rows_n, rows > ALONE_ROWS ? SPANS * nthreads : nthreads)),
           partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
           xsums(copies(q4k) * rows * (k / 32)), sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0),
-          last_group(nthreads * gpt2attn::Q8_GROUP * k) {}
+          last_group(nthreads * gpt2attn::GROUP_ROWS * k) {}
 
     // copies of x quantized: one a thread for a few rows (and always for ROWS_Q4K, whose threads each
     // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
@@ -345,12 +345,56 @@ struct Products {
         });  // implicit barrier
     }
 
-    // int8 rows in groups of 16 (simd.h), read as rows_q4k reads Q4_K's: measured against four
-    // rows side by side, each summed across its lanes at the end (2026-11-28, AMD EPYC Zen 5, 2
-    // threads, see docs/cpu-decoding.md), a product of 240 MB read 97% of a plain read of the same
-    // bytes instead of 89% when memory read at about 90 GB/s
+    // The spans of a kind laid out by groups of GROUP_ROWS rows (ROWS_Q8, ROWS_Q4K; group_bytes
+    // each): a span's groups as four far-apart streams, group i of each quarter together, then what
+    // the quarters leave, the last of all padded if it has fewer rows; the rows of x `chunk` at a
+    // time (a chunk of x stays in cache while the span's groups pass, the groups' bytes after the
+    // first row). dot(ng, b, group0, stride, out): out[16 g + r] = row b of x . row r of group g,
+    // for the ng (4 or 1) groups at group0 + g * stride; pad(group, rows, padded) lays out a last
+    // group of fewer rows as a whole one; scale: each row's, or null.
+    template <typename Dot, typename Pad>
+    void grouped_rows(const Matrix& W, int64_t group_bytes, int64_t chunk, const float* scale, float* y, int64_t y_stride,
+                      Epilogue op, Dot&& dot, Pad&& pad) {
+        constexpr int64_t G = gpt2attn::GROUP_ROWS;
+        const int t = omp_get_thread_num();
+        float* mine = sums.data() + t * B * max_span;  // (B, n)
+        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
+            const int64_t n = r1 - r0, whole = n / G, q = whole / 4;
+            const uint8_t* span = (const uint8_t*)W.weight + r0 / G * group_bytes;
+            float out[4 * G];
+            auto keep = [&](int64_t b, int64_t row, const float* sums_, int64_t rows) {  // row of the span
+                for (int64_t r = 0; r < rows; r++) mine[b * n + row + r] = scale ? sums_[r] * scale[r0 + row + r] : sums_[r];
+            };
+            for (int64_t b0 = 0; b0 < B; b0 += chunk)
+                for (int64_t i = 0; i < q; i++)
+                    for (int64_t b = b0; b < std::min(B, b0 + chunk); b++) {
+                        dot(std::integral_constant<int, 4>(), b, span + i * group_bytes, q * group_bytes, out);
+                        for (int quarter = 0; quarter < 4; quarter++) keep(b, (quarter * q + i) * G, out + quarter * G, G);
+                    }
+            for (int64_t g = 4 * q * G; g < n; g += G) {
+                const int64_t rows = std::min(G, n - g);
+                const uint8_t* group = span + g / G * group_bytes;
+                if (rows < G) {
+                    uint8_t* padded = last_group.data() + t * max_k * G;
+                    pad(group, rows, padded);
+                    group = padded;
+                }
+                for (int64_t b = 0; b < B; b++) {
+                    dot(std::integral_constant<int, 1>(), b, group, 0, out);
+                    keep(b, g, out, rows);
+                }
+            }
+            for (int64_t b = 0; b < B; b++)
+                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
+        });  // implicit barrier
+    }
+
+    // int8 rows in groups (simd.h): measured against four rows side by side, each summed across its
+    // lanes at the end (2026-11-28, AMD EPYC Zen 5, 2 threads, see docs/cpu-decoding.md), a product
+    // of 240 MB read 97% of a plain read of the same bytes instead of 89% when memory read at about
+    // 90 GB/s
     void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, nb = K / 32, group_bytes = gpt2attn::Q8_GROUP * K;
+        const int64_t K = W.K, nb = K / 32;
         // x quantized: a few rows by every thread for itself (a few microseconds; no barrier before
         // the products), a prompt's rows by the threads together into one copy
         const bool together = B > ALONE_ROWS;
@@ -366,82 +410,28 @@ struct Products {
         } else {
             gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all, xsums_all);
         }
-        const int t = omp_get_thread_num();
-        float* mine = sums.data() + t * B * max_span;  // (B, n)
-        const int64_t chunk = std::max<int64_t>(1, X_CHUNK_BYTES / K);  // rows of x
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
-            // the span's groups as four far-apart streams, group i of each quarter together; then
-            // what the quarters leave, the last of all padded if it has fewer rows
-            const int64_t n = r1 - r0, whole = n / gpt2attn::Q8_GROUP, q = whole / 4;
-            const uint8_t* span = (const uint8_t*)W.weight + r0 * K;
-            float out[4 * gpt2attn::Q8_GROUP];
-            auto keep = [&](int64_t b, int64_t row, const float* sums_, int64_t rows) {  // row of the span
-                for (int64_t r = 0; r < rows; r++) mine[b * n + row + r] = sums_[r] * W.scale[r0 + row + r];
-            };
-            for (int64_t b0 = 0; b0 < B; b0 += chunk)  // a chunk of x stays in cache while the span's groups pass
-                for (int64_t i = 0; i < q; i++)
-                    for (int64_t b = b0; b < std::min(B, b0 + chunk); b++) {  // the groups' bytes stay in cache after the first
-                        gpt2attn::dot_q8g<4>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, span + i * group_bytes,
-                                             q * group_bytes, out);
-                        for (int quarter = 0; quarter < 4; quarter++)
-                            keep(b, (quarter * q + i) * gpt2attn::Q8_GROUP, out + quarter * gpt2attn::Q8_GROUP, gpt2attn::Q8_GROUP);
-                    }
-            for (int64_t g = 4 * q * gpt2attn::Q8_GROUP; g < n; g += gpt2attn::Q8_GROUP) {
-                const int64_t rows = std::min(gpt2attn::Q8_GROUP, n - g);
-                const uint8_t* group = span + g * K;
-                if (rows < gpt2attn::Q8_GROUP) {
-                    uint8_t* padded = last_group.data() + t * max_k * gpt2attn::Q8_GROUP;
-                    gpt2attn::q8_pad_group(group, rows, K, padded);
-                    group = padded;
-                }
-                for (int64_t b = 0; b < B; b++) {
-                    gpt2attn::dot_q8g<1>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, group, 0, out);
-                    keep(b, g, out, rows);
-                }
-            }
-            for (int64_t b = 0; b < B; b++)
-                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
-        });  // implicit barrier
+        grouped_rows(
+            W, gpt2attn::GROUP_ROWS * K, std::max<int64_t>(1, X_CHUNK_BYTES / K), W.scale, y, y_stride, op,
+            [&](auto ng, int64_t b, const uint8_t* group0, int64_t stride, float* out) {
+                gpt2attn::dot_q8g<decltype(ng)::value>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, group0, stride, out);
+            },
+            [&](const uint8_t* group, int64_t rows, uint8_t* padded) { gpt2attn::q8_pad_group(group, rows, K, padded); });
     }
 
     void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, group_bytes = K / 256 * gpt2attn::Q4K_GROUP_BYTES;
+        const int64_t K = W.K;
         const int t = omp_get_thread_num();  // each thread quantizes x for itself, as rows_q8 for a few rows
         int8_t* xq_mine = xq.data() + t * B * max_k;
         float* d_mine = xs.data() + t * B * (max_k / 32);
         int16_t* bsums_mine = bsums.data() + t * B * (max_k / 32);
         gpt2attn::quantize_q8k(x, B * K / 256, xq_mine, d_mine, bsums_mine);
-        float* mine = sums.data() + t * B * max_span;  // (B, n)
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
-            // the span's groups as four far-apart streams, group i of each quarter together; then
-            // what the quarters leave, the last of all padded if it has fewer rows
-            const int64_t n = r1 - r0, whole = n / gpt2attn::Q4K_GROUP, q = whole / 4;
-            const uint8_t* span = (const uint8_t*)W.weight + r0 / gpt2attn::Q4K_GROUP * group_bytes;
-            float out[4 * gpt2attn::Q4K_GROUP];
-            for (int64_t i = 0; i < q; i++)
-                for (int64_t b = 0; b < B; b++) {  // a prompt's rows: the groups' bytes stay in cache after the first
-                    gpt2attn::dot_q4k<4>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K,
-                                         span + i * group_bytes, q * group_bytes, out);
-                    for (int quarter = 0; quarter < 4; quarter++)
-                        memcpy(mine + b * n + (quarter * q + i) * gpt2attn::Q4K_GROUP, out + quarter * gpt2attn::Q4K_GROUP,
-                               gpt2attn::Q4K_GROUP * sizeof(float));
-                }
-            for (int64_t g = 4 * q * gpt2attn::Q4K_GROUP; g < n; g += gpt2attn::Q4K_GROUP) {
-                const int64_t rows = std::min(gpt2attn::Q4K_GROUP, n - g);
-                const uint8_t* group = span + g / gpt2attn::Q4K_GROUP * group_bytes;
-                if (rows < gpt2attn::Q4K_GROUP) {
-                    uint8_t* padded = last_group.data() + t * max_k * gpt2attn::Q8_GROUP;  // (as many bytes as Q4_K rows need)
-                    gpt2attn::q4k_pad_group(group, rows, K, padded);
-                    group = padded;
-                }
-                for (int64_t b = 0; b < B; b++) {
-                    gpt2attn::dot_q4k<1>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K, group, 0, out);
-                    memcpy(mine + b * n + g, out, rows * sizeof(float));
-                }
-            }
-            for (int64_t b = 0; b < B; b++)
-                finish(y + b * y_stride + r0, mine + b * n, W.bias ? W.bias + r0 : nullptr, n, op);
-        });  // implicit barrier
+        grouped_rows(
+            W, K / 256 * gpt2attn::Q4K_GROUP_BYTES, B, nullptr, y, y_stride, op,
+            [&](auto ng, int64_t b, const uint8_t* group0, int64_t stride, float* out) {
+                gpt2attn::dot_q4k<decltype(ng)::value>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K,
+                                                       group0, stride, out);
+            },
+            [&](const uint8_t* group, int64_t rows, uint8_t* padded) { gpt2attn::q4k_pad_group(group, rows, K, padded); });
     }
 };
 

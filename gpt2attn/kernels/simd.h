@@ -147,17 +147,20 @@ inline void dot4(const float* x, const T* w0, int64_t stride, int64_t K, bool pr
 #endif
 }
 
-// int8 rows in groups of Q8_GROUP rows (gpt2attn.kernels.group_rows_q8): a group of n rows is K / 4
-// quads of 4 n bytes, quad p holding bytes 4p .. 4p + 3 of row r at 4r, each
-// weight w stored as the unsigned byte w + 128; so one 64-byte load holds the same four weights of
-// 16 rows. A last group of fewer rows (N not a multiple of 16) is copied into 16 rows' layout, its
-// missing rows zeros, before it is read (q8_pad_group).
-constexpr int64_t Q8_GROUP = 16;
+// The rows of int8 and Q4_K matrices are laid out by groups of GROUP_ROWS, so that one 64-byte
+// load holds the same few weights of each row of a group and each row sums in its own lane.
+constexpr int64_t GROUP_ROWS = 16;
+
+// int8 rows in groups (gpt2attn.kernels.group_rows_q8): a group of n rows is K / 4 quads of 4 n
+// bytes, quad p holding bytes 4p .. 4p + 3 of row r at 4r, each weight w stored as the unsigned
+// byte w + 128; so one 64-byte load holds the same four weights of 16 rows. A last group of fewer
+// rows (N not a multiple of 16) is copied into 16 rows' layout, its missing rows zeros, before it
+// is read (q8_pad_group).
 
 // The last group's n < 16 rows (from `group`, K values each) laid out as a whole group's in `padded`
 // (16 K bytes), rows n..15 zeros
 inline void q8_pad_group(const uint8_t* group, int64_t n, int64_t K, uint8_t* padded) {
-    memset(padded, 0, Q8_GROUP * K);
+    memset(padded, 0, GROUP_ROWS * K);
     for (int64_t p = 0; p < K / 4; p++) memcpy(padded + 64 * p, group + 4 * n * p, 4 * n);
 }
 
@@ -215,7 +218,7 @@ inline void dot_q8g(const int8_t* xq, const float* xs, const int32_t* xsums, int
 #endif
 }
 
-// Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py) in groups of Q4K_GROUP rows: each row K/256
+// Q4_K rows (llama.cpp's block_q4_K, gpt2attn/q4_k.py) in groups of GROUP_ROWS rows: each row K/256
 // super-blocks of 144 bytes (d and dmin in fp16, twelve bytes of 6-bit scales sc and mins m, one
 // pair per sub-block of 32, and 128 bytes of nibbles q), weight i of sub-block s being
 // (d sc[s]) q[i] - (dmin m[s]). The kernels read the same bytes laid out by group
@@ -229,8 +232,7 @@ inline void dot_q8g(const int8_t* xq, const float* xs, const int32_t* xsums, int
 // int32 lane, with no sums across lanes. A last group of fewer rows (N not a multiple of 16) is
 // copied into 16 rows' layout, its missing rows zeros, before it is read (q4k_pad_group).
 constexpr int64_t Q4K_BYTES = 144;
-constexpr int64_t Q4K_GROUP = 16;
-constexpr int64_t Q4K_GROUP_BYTES = Q4K_GROUP * Q4K_BYTES;  // one super-block of a whole group
+constexpr int64_t Q4K_GROUP_BYTES = GROUP_ROWS * Q4K_BYTES;  // one super-block of a whole group
 
 // x for Q4_K rows as llama.cpp's Q8_K: n_super super-blocks of 256 floats -> q (256 int8 each),
 // d (one scale each: max|x| / 127, q = round-half-even(x / d)) and bsums (each block of 32's sum
