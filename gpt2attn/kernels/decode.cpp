@@ -518,8 +518,15 @@ void prompt_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
 // One (row, head) of a step's attention: the new key k and value v (hs) go to index pos of the
 // row's cache (keys, values (capacity, hs)), then y (hs) = softmax(q . keys / scale) values over the
 // T = pos + 1 cached positions, those key_mask (T), where given, marks 0 left out. p: T floats of scratch.
+// The cache comes from memory (a step's weights pass through the caches between one layer's
+// attention and the next), so the values are asked for while the keys are read, and next_keys
+// (the keys of the head attended next, or null) while the values are summed. Measured on
+// gpt2-small's one-call steps at position 64 against asking for nothing (A/B in one process, 2
+// threads, AMD EPYC Zen 5, 2026-11-28, memory reading at about 75 GB/s): fp16 3.938 -> 3.900 ms,
+// bf16 3.907 -> 3.870, int8 2.097 -> 2.057, plain fp32 7.357 -> 7.326; at about 48 GB/s fp16 5.647
+// -> 5.617, int8 2.979 -> 2.957, plain 10.877 -> 10.869.
 void attend(const float* q, const float* k, const float* v, float* keys, float* values, int64_t pos, int64_t hs,
-            float scale, const int64_t* key_mask, float* p, float* y) {
+            float scale, const int64_t* key_mask, float* p, float* y, const float* next_keys) {
     memcpy(keys + pos * hs, k, hs * sizeof(float));
     memcpy(values + pos * hs, v, hs * sizeof(float));
     const int64_t T = pos + 1;
@@ -528,6 +535,7 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
     int64_t t = 0;
     if (hs % 8 == 0)
         for (; t + 4 <= T; t += 4) {
+            for (int64_t i = 0; i < 4 * hs; i += 16) _mm_prefetch((const char*)(values + t * hs + i), _MM_HINT_T0);  // values t..t+3
             dot4<float, false>(q, keys + t * hs, hs, hs, false, p + t);
             for (int j = 0; j < 4; j++) p[t + j] *= scale;
         }
@@ -551,6 +559,8 @@ void attend(const float* q, const float* k, const float* v, float* keys, float* 
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (t = 0; t < T; t++) {
+            if (next_keys && i0 == 0)
+                for (int64_t i = 0; i < hs; i += 16) _mm_prefetch((const char*)(next_keys + t * hs + i), _MM_HINT_T0);
             const __m256 w = _mm256_set1_ps(p[t] / total);
             const float* vt = values + t * hs + i0;
             for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), a[j]);
@@ -660,14 +670,15 @@ struct Step {
             norm(L.ln_1_weight, L.ln_1_bias);
             products.product(L.c_attn, normed, qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
             float* p = scores.data() + omp_get_thread_num() * (pos + 1);
+            // the cache (capacity, hs) of (row, head) i in this layer: its keys (which 0) or values (1)
+            auto cached = [&](int64_t which, int64_t i) { return kv + ((l * 2 + which) * B * nh + i) * capacity * hs; };
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < B * nh; bh++) {
                 const int64_t b = bh / nh, head = bh % nh;
                 const float* q = &qkv[b * 3 * C + head * hs];
-                float* keys = kv + (((l * 2 + 0) * B + b) * nh + head) * capacity * hs;  // (capacity, hs)
-                float* values = kv + (((l * 2 + 1) * B + b) * nh + head) * capacity * hs;
-                attend(q, q + C, q + 2 * C, keys, values, pos, hs, L.attn_scale, key_mask ? key_mask + b * capacity : nullptr,
-                       p, &att[b * C + head * hs]);
+                attend(q, q + C, q + 2 * C, cached(0, bh), cached(1, bh), pos, hs, L.attn_scale,
+                       key_mask ? key_mask + b * capacity : nullptr, p, &att[b * C + head * hs],
+                       bh + 1 < B * nh ? cached(0, bh + 1) : nullptr);  // (the next may be another thread's: asked for in vain)
             }
             products.product(L.attn_proj, att.data(), x.data(), C, ADD);  // x += attn
             norm(L.ln_2_weight, L.ln_2_bias);
