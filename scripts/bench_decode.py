@@ -279,7 +279,10 @@ def run(args) -> tuple[list[dict], list[dict]]:
                                  f"{r['fraction_of_limit_range'][1]:.0%}]",
                      "of limit, weights + KV": f"{r['fraction_of_limit_with_kv']:.0%} "
                                               f"[{r['fraction_of_limit_with_kv_range'][0]:.0%}-"
-                                              f"{r['fraction_of_limit_with_kv_range'][1]:.0%}]"}
+                                              f"{r['fraction_of_limit_with_kv_range'][1]:.0%}]",
+                     # the read rates "of limit" divides by: memory's speed can change from minute to minute
+                     "read rate GB/s": f"{statistics.median(r['read_rate_beside_gb_s']):.1f} "
+                                       f"[{min(r['read_rate_beside_gb_s']):.0f}-{max(r['read_rate_beside_gb_s']):.0f}]"}
             for t in lengths:
                 cells[f"prefill {t} tok/s"] = _cell(r, f"prefill {t}")
                 cells[f"prefill {t} vs llama.cpp"] = (f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x"
