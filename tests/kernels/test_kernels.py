@@ -162,6 +162,26 @@ def test_rows_q8_gives_the_same_bits_on_any_threads_in_a_prompt_and_in_either_bu
     assert relative(outs[0], kernels.rows_q8_reference(x, w8, scale, None)) < 1e-5
 
 
+def test_a_steps_cols_product_gives_the_same_bits_in_either_build(monkeypatch):
+    # the AVX-512 build adds 16 outputs a step where the AVX2 one adds 8, each output the same sums
+    # in the same order; N leaves 8 outputs after the last 16 and 5 after the last 8, K rows after
+    # the quarters
+    builds = kernel_builds()
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the AVX2 kernels")
+    K, N = 770, 3072 + 8 + 5
+    w, bias = torch.randn(K, N, generator=G) * 30, torch.randn(N, generator=G)
+    x = torch.randn(3, K, generator=G) * 100
+    for threads in (2, 3):
+        outs = []
+        for lib in builds.values():
+            monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+            with num_threads(threads):
+                outs.append(kernels.cols(x, w, bias))
+        assert torch.equal(outs[0], outs[1]), threads
+        assert relative(outs[0], kernels.cols_reference(x, w, bias)) < 1e-5
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_rows_q8_at_the_largest_weights_and_inputs(build, sign):
     # every weight and every quantized input at 127 in magnitude, signs matched so every product adds:
