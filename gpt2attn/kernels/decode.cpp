@@ -191,6 +191,47 @@ void for_spans(const Matrix& W, int64_t B, int threads, F&& body) {
     for (int64_t s = 0; s < (N + span - 1) / span; s++) body(s * span, (s + 1) * span < N ? (s + 1) * span : N);
 }
 
+// Registers of 8 or 16 floats, so that one loop serves both builds
+struct Lanes8 {
+    using V = __m256;
+    static constexpr int64_t L = 8;
+    static V splat(float v) { return _mm256_set1_ps(v); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+};
+#ifdef GPT2ATTN_AVX512
+struct Lanes16 {
+    using V = __m512;
+    static constexpr int64_t L = 16;
+    static V splat(float v) { return _mm512_set1_ps(v); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+};
+#endif
+
+// A cols product's pass over outputs [n, end), R::L at a time while that many remain: y[n] +=
+// x4[0] w[n] + x4[1] w[far + n] + x4[2] w[2 far + n] + x4[3] w[3 far + n], the same sums in the same
+// order at either width (so the same bits in either build). Returns the first output not done.
+template <typename R>
+int64_t cols_pass(const float* x4, const float* w, int64_t far, float* y, int64_t n, int64_t end) {
+    const typename R::V x0 = R::splat(x4[0]), x1 = R::splat(x4[1]), x2 = R::splat(x4[2]), x3 = R::splat(x4[3]);
+    for (; n + R::L <= end; n += R::L) {
+        const float* wn = w + n;
+        typename R::V a = R::fmadd(x0, R::load(wn), R::load(y + n));
+        typename R::V c = R::mul(x1, R::load(wn + far));
+        a = R::fmadd(x2, R::load(wn + 2 * far), a);
+        c = R::fmadd(x3, R::load(wn + 3 * far), c);
+        R::store(y + n, R::add(a, c));
+    }
+    return n;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
     __m256 s = _mm256_setzero_ps();
     int64_t i = 0;
@@ -274,7 +315,7 @@ struct Products {
     }
 
     void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
-        const int64_t K = W.K, N = W.N, vec_end = N / 8 * 8;
+        const int64_t K = W.K, N = W.N;
         const float* w = (const float*)W.weight;
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         float* mine = partial.data() + t * B * max_cols_n;  // (B, N) of this thread
@@ -287,34 +328,14 @@ struct Products {
             const float* w0 = w + (k0 + i) * N;  // row k0 + i, and the rows far, 2 far and 3 far on
             for (int64_t b = 0; b < B; b++) {
                 const float* xb = x + b * K + k0 + i;
-                const __m256 x0 = _mm256_set1_ps(xb[0]), x1 = _mm256_set1_ps(xb[run]), x2 = _mm256_set1_ps(xb[2 * run]),
-                             x3 = _mm256_set1_ps(xb[3 * run]);
+                const float x4[4] = {xb[0], xb[run], xb[2 * run], xb[3 * run]};
                 float* yb = mine + b * N;
                 int64_t n = 0;
 #ifdef GPT2ATTN_AVX512
-                // the same sums 16 outputs a step, so each output gets the same bits in either build
-                const __m512 z0 = _mm512_set1_ps(xb[0]), z1 = _mm512_set1_ps(xb[run]), z2 = _mm512_set1_ps(xb[2 * run]),
-                             z3 = _mm512_set1_ps(xb[3 * run]);
-                for (; n + 16 <= vec_end; n += 16) {
-                    const float* wn = w0 + n;
-                    __m512 a = _mm512_fmadd_ps(z0, _mm512_loadu_ps(wn), _mm512_loadu_ps(yb + n));
-                    __m512 c = _mm512_mul_ps(z1, _mm512_loadu_ps(wn + far));
-                    a = _mm512_fmadd_ps(z2, _mm512_loadu_ps(wn + 2 * far), a);
-                    c = _mm512_fmadd_ps(z3, _mm512_loadu_ps(wn + 3 * far), c);
-                    _mm512_storeu_ps(yb + n, _mm512_add_ps(a, c));
-                }
+                n = cols_pass<Lanes16>(x4, w0, far, yb, n, N);
 #endif
-                for (; n < vec_end; n += 8) {
-                    const float* wn = w0 + n;
-                    __m256 a = _mm256_fmadd_ps(x0, _mm256_loadu_ps(wn), _mm256_loadu_ps(yb + n));
-                    __m256 c = _mm256_mul_ps(x1, _mm256_loadu_ps(wn + far));
-                    a = _mm256_fmadd_ps(x2, _mm256_loadu_ps(wn + 2 * far), a);
-                    c = _mm256_fmadd_ps(x3, _mm256_loadu_ps(wn + 3 * far), c);
-                    _mm256_storeu_ps(yb + n, _mm256_add_ps(a, c));
-                }
-                for (int64_t n = vec_end; n < N; n++)
-                    yb[n] += xb[0] * w0[n] + xb[run] * w0[far + n] + xb[2 * run] * w0[2 * far + n] +
-                             xb[3 * run] * w0[3 * far + n];
+                n = cols_pass<Lanes8>(x4, w0, far, yb, n, N);
+                for (; n < N; n++) yb[n] += x4[0] * w0[n] + x4[1] * w0[far + n] + x4[2] * w0[2 * far + n] + x4[3] * w0[3 * far + n];
             }
         }
         for (int64_t k = k0 + QUARTERS * run; k < k1; k++)  // what the quarters leave (fewer than QUARTERS rows)
