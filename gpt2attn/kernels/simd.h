@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <initializer_list>  // prefetch4's loop over its four rows
+
 namespace gpt2attn {
 
 inline float hsum(__m256 v) {
