@@ -21,9 +21,10 @@ of the two, each as below): a round's "of limit" is its decode tok/s against tha
 that changes speed between rounds (these VMs' does, from one minute to the next) moves both
 together; the table gives the median over rounds [min-max]. Beside each also a sustained read:
 NEW - 1 passes over the buffer in a row (eight streams a thread), timed as one just as the decode's
-NEW - 1 steps are ("of sustained read"), since the best of short passes catches memory at its
+NEW - 1 steps are ("of sustained read"), since the best of short passes can catch memory at its
 fastest moments, which a decode of hundreds of milliseconds averages over (2026-11-29, the Zen 5
-VM: the sustained read ran at 90-100% of the best short pass, median about 95%). At the end of each round the read
+VM: 90-100% of the best short passes around it with memory slow, median about 95%; in that day's
+bench runs 91-106%, median 98-99.7%). At the end of each round the read
 rate: one pass over a buffer of the fp32 weights' size, on 2 MiB pages where the system gives them
 as quantize() keeps its weights (bench_common.read_buffer; before the run of 2026-11-28 05:56 UTC on
 4 kB pages, which read up to 30% slower on the Zen 4 VM), by bench_common.read_sum (each thread
@@ -203,10 +204,12 @@ def run(args) -> tuple[list[dict], list[dict]]:
 
     def sustained_rate_now() -> float:
         """The read rate held as long as a timed decode reads: NEW - 1 passes in a row (eight streams a
-        thread), timed as one; where memory's speed wavers, below the best of short passes."""
+        thread), timed as one."""
         passes = max(1, args.new - 1)
-        seconds = best_of(lambda: [read_sum(buffer) for _ in range(passes)], 1)
-        return passes * buffer.numel() * 4 / seconds
+        start = time.perf_counter()
+        for _ in range(passes):
+            read_sum(buffer)
+        return passes * buffer.numel() * 4 / (time.perf_counter() - start)
     gemm_floor = {t: [] for t in lengths}  # tok/s of the blocks' 48 products alone, through torch (MKL), fp32
 
     def blocks_products(x: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ ABOUT = {
               "and a faster state from one minute to the next, and a run's \"of limit\" is lower in the faster); \"of sustained read\" "
               "(runs from 2026-11-29 04:00 UTC on) divides by a read held as long as the decode instead: 63 passes over the "
               "buffer in a row timed as one, just before and after each decode (the faster; \"sustained read GB/s\"), "
-              "since the best of short passes catches memory at its fastest moments, which a decode of hundreds of "
+              "since the best of short passes can catch memory at its fastest moments, which a decode of hundreds of "
               "milliseconds averages over; bytes per token are the "
               "weight matrices', and in \"weights + KV\" (runs from 2026-11-28 14:00 UTC on) also the cached keys and "
               "values each timed step reads (ours fp32 after a 32-token prompt, llama-bench's f16 without one); the read "
