@@ -210,6 +210,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
         for _ in range(passes):
             read_sum(buffer)
         return passes * buffer.numel() * 4 / (time.perf_counter() - start)
+
+    def rates_around(measure):
+        """measure()'s result, and the read rate and the sustained read beside it: each the faster of
+        just before and just after."""
+        peak, held = read_rate_now(), sustained_rate_now()
+        result = measure()
+        return result, max(peak, read_rate_now()), max(held, sustained_rate_now())
     gemm_floor = {t: [] for t in lengths}  # tok/s of the blocks' 48 products alone, through torch (MKL), fp32
 
     def blocks_products(x: torch.Tensor) -> None:
@@ -225,9 +232,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
             llama = {}  # this round's llama-bench figures by format (plain and fp32 share f32's)
             for mode in modes:
                 if PAIRS[mode] not in llama:
-                    before, held_before = read_rate_now(), sustained_rate_now()
-                    figures = llama_bench(args.llama_cpp, files[mode], args)
-                    llama[PAIRS[mode]] = figures, max(before, read_rate_now()), max(held_before, sustained_rate_now())
+                    llama[PAIRS[mode]] = rates_around(lambda: llama_bench(args.llama_cpp, files[mode], args))
                 figures, rate, held_rate = llama[PAIRS[mode]]
                 for key, value in figures.items():
                     results[(mode, "llama.cpp", key)].append(value)
@@ -237,12 +242,15 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 model.generate(prompt, max_new_tokens=4, eos_token_id=None)  # warm
                 # decoding alone, as llama-bench's tg: generate's time for NEW tokens less its time for 1
                 # (the prompt's forward and the first token), over the NEW - 1 steps between them
-                before, held_before = read_rate_now(), sustained_rate_now()
-                t_all = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
-                t_one = best_of(lambda: model.generate(prompt, max_new_tokens=1, eos_token_id=None), 2)
-                results[(mode, "ours", "decode")].append((args.new - 1) / (t_all - t_one))
-                beside[(mode, "ours")].append(max(before, read_rate_now()))
-                held_beside[(mode, "ours")].append(max(held_before, sustained_rate_now()))
+                def decode_tok_s(model=model) -> float:
+                    t_all = best_of(lambda: model.generate(prompt, max_new_tokens=args.new, eos_token_id=None), 2)
+                    t_one = best_of(lambda: model.generate(prompt, max_new_tokens=1, eos_token_id=None), 2)
+                    return (args.new - 1) / (t_all - t_one)
+
+                tok_s, rate, held_rate = rates_around(decode_tok_s)
+                results[(mode, "ours", "decode")].append(tok_s)
+                beside[(mode, "ours")].append(rate)
+                held_beside[(mode, "ours")].append(held_rate)
                 for length, ids in long.items():
                     t = best_of(lambda: Decoder(model, 1, ids.size(1) + 1, "cpu").forward(ids), 2)
                     results[(mode, "ours", f"prefill {length}")].append(length / t)
@@ -278,40 +286,27 @@ def run(args) -> tuple[list[dict], list[dict]]:
             # and just after), the median over rounds: memory that changes speed between rounds
             # then moves the figure and its limit together
             decodes = results[(mode, side, "decode")]
-            fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, beside[(mode, side)])]
-            row["fraction_of_limit"] = statistics.median(fractions)
-            row["fraction_of_limit_range"] = [min(fractions), max(fractions)]
-            row["fraction_of_limit_rounds"] = fractions  # each round's, beside read_rate_beside_gb_s's
+            # each round's, beside read_rate_beside_gb_s's
+            row["fraction_of_limit_rounds"] = _fractions(row, "fraction_of_limit", decodes, nbytes, beside[(mode, side)])
             # the KV cache each timed step also reads, on average over them (see kv_bytes_per_token)
             row["kv_bytes_per_token"] = kv = kv_bytes_per_token(cfg, side, args.prompt, args.new)
-            fractions = [tok_s * (nbytes + kv) / near for tok_s, near in zip(decodes, beside[(mode, side)])]
-            row["fraction_of_limit_with_kv"] = statistics.median(fractions)
-            row["fraction_of_limit_with_kv_range"] = [min(fractions), max(fractions)]
+            _fractions(row, "fraction_of_limit_with_kv", decodes, nbytes + kv, beside[(mode, side)])
             row["read_rate_beside_gb_s"] = [near / 1e9 for near in beside[(mode, side)]]
             # against the sustained read beside it instead (NEW - 1 passes timed as one, as the decode is)
-            fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, held_beside[(mode, side)])]
-            row["fraction_of_sustained_read"] = statistics.median(fractions)
-            row["fraction_of_sustained_read_range"] = [min(fractions), max(fractions)]
-            row["fraction_of_sustained_read_rounds"] = fractions
+            row["fraction_of_sustained_read_rounds"] = _fractions(row, "fraction_of_sustained_read", decodes, nbytes,
+                                                                  held_beside[(mode, side)])
             row["sustained_read_rate_beside_gb_s"] = [near / 1e9 for near in held_beside[(mode, side)]]
             rows.append(row)
         o, l = rows[-2], rows[-1]
         for r, name in ((o, f"ours {mode}"), (l, f"llama.cpp {l['format']}")):
             cells = {"precision": name, "decode tok/s": _cell(r, "decode"),
                      "decode vs llama.cpp": f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x" if r is o else "",
-                     "of limit": f"{r['fraction_of_limit']:.0%} [{r['fraction_of_limit_range'][0]:.0%}-"
-                                 f"{r['fraction_of_limit_range'][1]:.0%}]",
-                     "of limit, weights + KV": f"{r['fraction_of_limit_with_kv']:.0%} "
-                                              f"[{r['fraction_of_limit_with_kv_range'][0]:.0%}-"
-                                              f"{r['fraction_of_limit_with_kv_range'][1]:.0%}]",
+                     "of limit": _percent_cell(r, "fraction_of_limit"),
+                     "of limit, weights + KV": _percent_cell(r, "fraction_of_limit_with_kv"),
                      # the read rates "of limit" divides by: memory's speed can change from minute to minute
-                     "read rate GB/s": f"{statistics.median(r['read_rate_beside_gb_s']):.1f} "
-                                       f"[{min(r['read_rate_beside_gb_s']):.0f}-{max(r['read_rate_beside_gb_s']):.0f}]",
-                     "of sustained read": f"{r['fraction_of_sustained_read']:.0%} [{r['fraction_of_sustained_read_range'][0]:.0%}-"
-                                          f"{r['fraction_of_sustained_read_range'][1]:.0%}]",
-                     "sustained read GB/s": f"{statistics.median(r['sustained_read_rate_beside_gb_s']):.1f} "
-                                            f"[{min(r['sustained_read_rate_beside_gb_s']):.0f}-"
-                                            f"{max(r['sustained_read_rate_beside_gb_s']):.0f}]"}
+                     "read rate GB/s": _rates_cell(r["read_rate_beside_gb_s"]),
+                     "of sustained read": _percent_cell(r, "fraction_of_sustained_read"),
+                     "sustained read GB/s": _rates_cell(r["sustained_read_rate_beside_gb_s"])}
             for t in lengths:
                 cells[f"prefill {t} tok/s"] = _cell(r, f"prefill {t}")
                 cells[f"prefill {t} vs llama.cpp"] = (f"{o[f'prefill_{t}_tok_s'] / l[f'prefill_{t}_tok_s']:.2f}x"
@@ -342,6 +337,24 @@ def run(args) -> tuple[list[dict], list[dict]]:
         if row["engine"] == "ours":
             row.update({f"prefill_{t}_torch_matmul_ceiling_tok_s": v for t, v in floors.items()})
     return rows, shown
+
+
+def _fractions(row: dict, name: str, decodes: list[float], nbytes: float, rates: list[float]) -> list[float]:
+    """Each round's decode tok/s x nbytes against the read rate beside it; their median and [min, max]
+    go into row[name] and row[name + "_range"]. Returns the rounds' fractions."""
+    fractions = [tok_s * nbytes / near for tok_s, near in zip(decodes, rates)]
+    row[name] = statistics.median(fractions)
+    row[name + "_range"] = [min(fractions), max(fractions)]
+    return fractions
+
+
+def _percent_cell(row: dict, name: str) -> str:
+    lo, hi = row[name + "_range"]
+    return f"{row[name]:.0%} [{lo:.0%}-{hi:.0%}]"
+
+
+def _rates_cell(rates_gb_s: list[float]) -> str:
+    return f"{statistics.median(rates_gb_s):.1f} [{min(rates_gb_s):.0f}-{max(rates_gb_s):.0f}]"
 
 
 def _cell(row: dict, key: str) -> str:
