@@ -39,7 +39,8 @@
 // small enough for one span a thread: for_spans): each row's sum is one thread's, the same
 // whichever thread takes it. A cols product gives each thread the same share of rows on
 // every run, so its partial sums, and a step's results, do not change from run to run (with chunks
-// taken in turn, they changed in the last bits).
+// taken in turn, they changed in the last bits). In a step of a few rows each thread computes the q,
+// k and v of the heads it attends to, so attention follows c_attn with no barrier (Step::run).
 //
 // gpt2attn_product runs one product in its own parallel region (the modules' path);
 // gpt2attn_decode_step runs every product of a step inside one region, no Python between layers:
@@ -176,9 +177,29 @@ inline int64_t row_bytes(const Matrix& W) {
 inline int64_t span_rows(int64_t N, int64_t spans) {
     return ((N + spans - 1) / spans + gpt2attn::GROUP_ROWS - 1) / gpt2attn::GROUP_ROWS * gpt2attn::GROUP_ROWS;
 }
+// Thread t's even share [first, end) of n things among T (the first n % T threads one more)
+struct Share {
+    int64_t first, end;
+};
+inline Share even_share(int64_t n, int t, int T) {
+    const int64_t first = n / T * t + std::min<int64_t>(t, n % T);
+    return {first, first + n / T + (t < n % T)};
+}
+
+// Rows of a step's product that a thread takes in place of its even share, with no barrier after:
+// `parts` runs of `count` rows, `stride` apart from `first` (c_attn's q, k and v rows of the heads
+// whose attention the thread computes next, so that attention waits for no other thread)
+struct OwnRows {
+    int64_t first, count, stride, parts;
+};
+
 template <typename F>
-void for_spans(const Matrix& W, int64_t B, int threads, F&& body) {
+void for_spans(const Matrix& W, int64_t B, int threads, const OwnRows* own, F&& body) {
     const int64_t N = W.N;
+    if (own) {
+        for (int64_t part = 0; part < own->parts; part++) body(own->first + part * own->stride, own->first + part * own->stride + own->count);
+        return;
+    }
     if (B <= ALONE_ROWS) {
         const int64_t share = span_rows(N, threads);  // (should the team be smaller, a thread takes several)
         for (int64_t r0 = omp_get_thread_num() * share; r0 < N; r0 += omp_get_num_threads() * share)
@@ -281,7 +302,10 @@ struct Products {
     int64_t B;
     int threads;
     int64_t max_cols_n, max_k, max_span;  // widest cols output, widest input, longest rows span
-    std::vector<float> partial;  // (threads, B, max_cols_n): each thread's share of a (K, N) product
+    std::vector<float> partial;  // (2, threads, B, max_cols_n): each thread's share of a (K, N) product, in
+                                 // two halves taken in turn, so that one product's partials can be written
+                                 // while another thread still sums the last one's
+    std::vector<int64_t> cols_calls;  // (threads, 16): how many cols products each thread has taken part in
     std::vector<int8_t> xq;      // (copies, B, max_k): x quantized for ROWS_Q8, a copy per thread for few rows
     std::vector<float> xs;       // (copies, B, max_k / 32): its scales
     std::vector<float> sums;     // (threads, B, max_span): a rows span's sums before the epilogue
@@ -294,7 +318,7 @@ struct Products {
     Products(int64_t rows, int nthreads, int64_t cols_n, int64_t rows_n, int64_t k, bool q4k)
         : B(rows), threads(nthreads), max_cols_n(cols_n), max_k(k),
           max_span(span_rows(rows_n, rows > ALONE_ROWS ? SPANS * nthreads : nthreads)),
-          partial(nthreads * rows * cols_n), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
+          partial(2 * nthreads * rows * cols_n), cols_calls(16 * nthreads), xq(copies(q4k) * rows * k), xs(copies(q4k) * rows * (k / 32)),
           xsums(copies(q4k) * rows * (k / 32)), sums(nthreads * rows * max_span), bsums(q4k ? nthreads * rows * (k / 32) : 0),
           last_group(nthreads * gpt2attn::GROUP_ROWS * k) {}
 
@@ -302,26 +326,32 @@ struct Products {
     // quantize for themselves), one shared by the threads for a prompt's rows in ROWS_Q8
     int64_t copies(bool q4k) const { return B > ALONE_ROWS && !q4k ? 1 : threads; }
 
-    // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart
-    void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+    // y (B, N) (op)= x (B, K) . W + bias, rows of y y_stride apart; ends in a barrier, or where own
+    // is given (at most ALONE_ROWS rows of x), gives this thread's outputs those rows and no others,
+    // with no barrier after them. inputs (COLS_F32 only; null: its even share): the inputs whose rows
+    // of W this thread reads, which may be all it has of x until the threads meet after the partials
+    void product(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, const OwnRows* own = nullptr,
+                 const Share* inputs = nullptr) {
         switch (W.kind) {
-            case COLS_F32: cols(W, x, y, y_stride, op); break;
-            case ROWS_F32: rows<float, false>(W, x, y, y_stride, op); break;
-            case ROWS_F16: rows<uint16_t, false>(W, x, y, y_stride, op); break;
-            case ROWS_BF16: rows<uint16_t, true>(W, x, y, y_stride, op); break;
-            case ROWS_Q8: rows_q8(W, x, y, y_stride, op); break;
-            case ROWS_Q4K: rows_q4k(W, x, y, y_stride, op); break;
+            case COLS_F32: cols(W, x, y, y_stride, op, own, inputs); break;
+            case ROWS_F32: rows<float, false>(W, x, y, y_stride, op, own); break;
+            case ROWS_F16: rows<uint16_t, false>(W, x, y, y_stride, op, own); break;
+            case ROWS_BF16: rows<uint16_t, true>(W, x, y, y_stride, op, own); break;
+            case ROWS_Q8: rows_q8(W, x, y, y_stride, op, own); break;
+            case ROWS_Q4K: rows_q4k(W, x, y, y_stride, op, own); break;
         }
     }
 
-    void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+    void cols(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, const OwnRows* own, const Share* inputs) {
         const int64_t K = W.K, N = W.N;
         const float* w = (const float*)W.weight;
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        float* mine = partial.data() + t * B * max_cols_n;  // (B, N) of this thread
+        float* half = partial.data() + cols_calls[16 * t]++ % 2 * T * B * max_cols_n;  // (T, B, N): this product's
+        float* mine = half + t * B * max_cols_n;  // (B, N) of this thread
         memset(mine, 0, B * N * sizeof(float));
-        // this thread's rows of W, an equal share [k0, k1), read as QUARTERS far-apart runs in step
-        const int64_t k0 = K / T * t + std::min<int64_t>(t, K % T), k1 = k0 + K / T + (t < K % T);
+        // this thread's rows of W, [k0, k1) (an equal share unless inputs says), read as QUARTERS far-apart runs in step
+        const Share ks = inputs ? *inputs : even_share(K, t, T);
+        const int64_t k0 = ks.first, k1 = ks.end;
         const int64_t run = (k1 - k0) / QUARTERS;
         const int64_t far = run * N;  // from a row of one run to the same row of the next
         for (int64_t i = 0; i < run; i++) {
@@ -341,29 +371,37 @@ struct Products {
         for (int64_t k = k0 + QUARTERS * run; k < k1; k++)  // what the quarters leave (fewer than QUARTERS rows)
             for (int64_t b = 0; b < B; b++) axpy(mine + b * N, x[b * K + k], w + k * N, N);
 #pragma omp barrier
-        // the threads' partials summed, bias and epilogue, over slices of the outputs
-        const int64_t per_row = (N + SLICE - 1) / SLICE;
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < B * per_row; s++) {
-            const int64_t b = s / per_row, n0 = s % per_row * SLICE, n1 = n0 + SLICE < N ? n0 + SLICE : N;
+        // the threads' partials summed, bias and epilogue, over slices of the outputs (at most SLICE)
+        auto reduce = [&](int64_t b, int64_t n0, int64_t n1) {
             float sum[SLICE];
-            memcpy(sum, partial.data() + b * N + n0, (n1 - n0) * sizeof(float));
-            for (int t = 1; t < omp_get_num_threads(); t++) {
-                const float* p = partial.data() + t * B * max_cols_n + b * N + n0;
+            memcpy(sum, half + b * N + n0, (n1 - n0) * sizeof(float));
+            for (int u = 1; u < T; u++) {
+                const float* p = half + u * B * max_cols_n + b * N + n0;
                 for (int64_t i = 0; i < n1 - n0; i++) sum[i] += p[i];
             }
             finish(y + b * y_stride + n0, sum, W.bias ? W.bias + n0 : nullptr, n1 - n0, op);
-        }  // implicit barrier
+        };
+        if (own) {  // this thread's outputs only, no barrier after
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t part = 0; part < own->parts; part++)
+                    for (int64_t n0 = own->first + part * own->stride, end = n0 + own->count; n0 < end; n0 += SLICE)
+                        reduce(b, n0, std::min(end, n0 + SLICE));
+            return;
+        }
+        const int64_t per_row = (N + SLICE - 1) / SLICE;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < B * per_row; s++) reduce(s / per_row, s % per_row * SLICE, std::min(N, s % per_row * SLICE + SLICE));
+        // implicit barrier
     }
 
     // A span of rows is read as four far-apart streams, row i of each quarter together in one dot4:
     // a core keeps more reads in flight over four streams than over one (a step 12-17% faster, measured).
     template <typename T, bool bf16>
-    void rows(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+    void rows(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, const OwnRows* own) {
         const int64_t K = W.K;
         const T* w = (const T*)W.weight;
         float* mine = sums.data() + omp_get_thread_num() * B * max_span;  // (B, n)
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {
+        for_spans(W, B, threads, own, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0, q = K % 8 == 0 ? n / 4 : 0;
             float out[4];
             for (int64_t i = 0; i < q; i++)
@@ -391,11 +429,11 @@ struct Products {
     // group of fewer rows as a whole one; scale: each row's, or null.
     template <typename Dot, typename Pad>
     void grouped_rows(const Matrix& W, int64_t group_bytes, int64_t chunk, const float* scale, float* y, int64_t y_stride,
-                      Epilogue op, Dot&& dot, Pad&& pad) {
+                      Epilogue op, const OwnRows* own, Dot&& dot, Pad&& pad) {
         constexpr int64_t G = gpt2attn::GROUP_ROWS;
         const int t = omp_get_thread_num();
         float* mine = sums.data() + t * B * max_span;  // (B, n)
-        for_spans(W, B, threads, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows)
+        for_spans(W, B, threads, own, [&](int64_t r0, int64_t r1) {  // r0 starts a group (span_rows; own's rows)
             const int64_t n = r1 - r0, whole = n / G, q = whole / 4;
             const uint8_t* span = (const uint8_t*)W.weight + r0 / G * group_bytes;
             float out[4 * G];
@@ -430,7 +468,7 @@ struct Products {
     // lanes at the end (2026-11-28, AMD EPYC Zen 5, 2 threads, see docs/cpu-decoding.md), a product
     // of 240 MB read 97% of a plain read of the same bytes instead of 89% when memory read at about
     // 90 GB/s
-    void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+    void rows_q8(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, const OwnRows* own) {
         const int64_t K = W.K, nb = K / 32;
         // x quantized: a few rows by every thread for itself (a few microseconds; no barrier before
         // the products), a prompt's rows by the threads together into one copy
@@ -448,14 +486,14 @@ struct Products {
             gpt2attn::quantize_q8(x, B * nb, xq_all, xs_all, xsums_all);
         }
         grouped_rows(
-            W, gpt2attn::GROUP_ROWS * K, std::max<int64_t>(1, X_CHUNK_BYTES / K), W.scale, y, y_stride, op,
+            W, gpt2attn::GROUP_ROWS * K, std::max<int64_t>(1, X_CHUNK_BYTES / K), W.scale, y, y_stride, op, own,
             [&](auto ng, int64_t b, const uint8_t* group0, int64_t stride, float* out) {
                 gpt2attn::dot_q8g<decltype(ng)::value>(xq_all + b * K, xs_all + b * nb, xsums_all + b * nb, K, group0, stride, out);
             },
             [&](const uint8_t* group, int64_t rows, uint8_t* padded) { gpt2attn::q8_pad_group(group, rows, K, padded); });
     }
 
-    void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op) {
+    void rows_q4k(const Matrix& W, const float* x, float* y, int64_t y_stride, Epilogue op, const OwnRows* own) {
         const int64_t K = W.K;
         const int t = omp_get_thread_num();  // each thread quantizes x for itself, as rows_q8 for a few rows
         int8_t* xq_mine = xq.data() + t * B * max_k;
@@ -463,7 +501,7 @@ struct Products {
         int16_t* bsums_mine = bsums.data() + t * B * (max_k / 32);
         gpt2attn::quantize_q8k(x, B * K / 256, xq_mine, d_mine, bsums_mine);
         grouped_rows(
-            W, K / 256 * gpt2attn::Q4K_GROUP_BYTES, B, nullptr, y, y_stride, op,
+            W, K / 256 * gpt2attn::Q4K_GROUP_BYTES, B, nullptr, y, y_stride, op, own,
             [&](auto ng, int64_t b, const uint8_t* group0, int64_t stride, float* out) {
                 gpt2attn::dot_q4k<decltype(ng)::value>(xq_mine + b * K, d_mine + b * (K / 256), bsums_mine + b * (K / 32), K,
                                                        group0, stride, out);
@@ -702,24 +740,52 @@ struct Step {
             const float* wpe = m.wpe + (positions ? positions[b] : pos) * C;
             for (int64_t i = 0; i < C; i++) x[b * C + i] = m.wte[ids[b] * C + i] + wpe[i];
         }
+        // With a few rows, thread t attends to heads [h0, h1) of every row, and computes those heads'
+        // q, k and v itself in c_attn (where each such run of rows is whole groups of 16, as the int8
+        // and Q4_K layouts need), so no barrier stands between c_attn and attention: a thread starts
+        // on its heads as soon as its own rows are done. Otherwise every (row, head) is handed out in turn.
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t h0 = nh * t / T, h1 = nh * (t + 1) / T;
+        bool by_heads = B <= ALONE_ROWS;
+        for (int u = 0; u < T; u++) by_heads = by_heads && (nh * (u + 1) / T - nh * u / T) * hs % gpt2attn::GROUP_ROWS == 0;
+        const OwnRows heads_rows{h0 * hs, (h1 - h0) * hs, C, 3};  // their rows of q, of k and of v
+        const Share heads_inputs{h0 * hs, h1 * hs};              // and their outputs, attn.c_proj's inputs
+        const Share mlp_share = even_share(inner, t, T);        // this thread's inputs of a plain mlp.c_proj
+        const OwnRows mlp_rows{mlp_share.first, mlp_share.end - mlp_share.first, 0, 1};
         for (int64_t l = 0; l < m.n_layer; l++) {
             const Layer& L = m.layers[l];
             norm(L.ln_1_weight, L.ln_1_bias);
-            products.product(L.c_attn, normed, qkv.data(), 3 * C, STORE);  // (B, 3C): q, k, v
-            float* p = scores.data() + omp_get_thread_num() * (pos + 1);
+            products.product(L.c_attn, normed, qkv.data(), 3 * C, STORE, by_heads ? &heads_rows : nullptr);  // (B, 3C): q, k, v
+            float* p = scores.data() + t * (pos + 1);
             // the cache (capacity, hs) of (row, head) i in this layer: its keys (which 0) or values (1)
             auto cached = [&](int64_t which, int64_t i) { return kv + ((l * 2 + which) * B * nh + i) * capacity * hs; };
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < B * nh; bh++) {
-                const int64_t b = bh / nh, head = bh % nh;
+            auto attend_to = [&](int64_t b, int64_t head, int64_t next) {  // next: the (row, head) attended next, or -1
+                const int64_t bh = b * nh + head;
                 const float* q = &qkv[b * 3 * C + head * hs];
                 attend(q, q + C, q + 2 * C, cached(0, bh), cached(1, bh), pos, hs, L.attn_scale,
-                       key_mask ? key_mask + b * capacity : nullptr, p, &att[b * C + head * hs],
-                       bh + 1 < B * nh ? cached(0, bh + 1) : nullptr);  // (the next may be another thread's: asked for in vain)
+                       key_mask ? key_mask + b * capacity : nullptr, p, &att[b * C + head * hs], next < 0 ? nullptr : cached(0, next));
+            };
+            // a plain (in, out) attn.c_proj reads the rows of W of this thread's heads' outputs (its
+            // partials need nothing else), so it starts when the thread's attention is done
+            const bool proj_by_heads = by_heads && L.attn_proj.kind == COLS_F32;
+            if (by_heads) {
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t head = h0; head < h1; head++)
+                        attend_to(b, head, head + 1 < h1 ? b * nh + head + 1 : b + 1 < B ? (b + 1) * nh + h0 : -1);
+                if (!proj_by_heads) {
+#pragma omp barrier
+                }
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t bh = 0; bh < B * nh; bh++)  // (the next may be another thread's: asked for in vain)
+                    attend_to(bh / nh, bh % nh, bh + 1 < B * nh ? bh + 1 : -1);
             }
-            products.product(L.attn_proj, att.data(), x.data(), C, ADD);  // x += attn
+            products.product(L.attn_proj, att.data(), x.data(), C, ADD, nullptr, proj_by_heads ? &heads_inputs : nullptr);  // x += attn
             norm(L.ln_2_weight, L.ln_2_bias);
-            products.product(L.c_fc, normed, f.data(), inner, GELU);  // (B, inner)
+            // between two plain (in, out) products each thread sums (and passes through GELU) just
+            // the outputs of c_fc whose rows of mlp.c_proj it reads next, so no barrier stands between
+            const bool plain_mlp = L.c_fc.kind == COLS_F32 && L.mlp_proj.kind == COLS_F32;
+            products.product(L.c_fc, normed, f.data(), inner, GELU, plain_mlp ? &mlp_rows : nullptr);  // (B, inner)
             products.product(L.mlp_proj, f.data(), x.data(), C, ADD);   // x += mlp
         }
         norm(m.ln_f_weight, m.ln_f_bias);

@@ -92,6 +92,36 @@ def test_int8_step_with_odd_and_even_block_counts(B):
     assert max_diff(got, expected) < 1e-5 and max_diff(cache.block, ref_cache.block) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("mode", ["plain", "fp16", "int8"])
+def test_a_step_gives_the_same_logits_on_any_number_of_threads(mode):
+    # 3 heads of 32 (int8 needs widths in blocks of 32): on 2 threads one takes 1 head and the other
+    # 2, on 3 threads one each, so every thread computes the q, k and v of its own heads in c_attn
+    # and attends to them with no barrier between (each thread's run of rows, 32 a head, is whole
+    # groups of 16); with heads of 12 (n_embd 36) no run is, and the rows are shared out as in every
+    # other product. A row's sum is one thread's, computed alike on any thread, so the rows kinds give
+    # the same bits on any number of threads; plain's (in, out) products sum each thread's share of
+    # the inputs, so there the sums' order changes with the threads.
+    for n_embd, n_head in [(96, 3), (36, 3)]:
+        if mode == "int8" and n_embd % 32:
+            continue
+        model = model_for(mode, n_embd=n_embd, n_head=n_head, n_inner=128)
+        cfg = model.config
+        ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+        got = {}
+        for threads in (1, 2, 3):
+            cache = KVCache.preallocate(cfg.n_layer, 2, cfg.n_head, 16, cfg.n_embd // cfg.n_head)
+            with torch.no_grad(), num_threads(threads):
+                expected = model(ids[:, :6], cache=cache)  # the prompt through the modules
+                step_cache = copy.deepcopy(cache)
+                expected = model(ids[:, 6:], cache=cache).logits[:, -1]
+                got[threads] = DecodeStep(model)(ids[:, 6:], step_cache)
+            assert max_diff(got[threads], expected) < 1e-5, (n_embd, threads)
+            assert max_diff(step_cache.block, cache.block) < 1e-5, (n_embd, threads)
+        if mode != "plain":
+            assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3]), n_embd
+
+
 @pytest.fixture(scope="module")
 def gpt2_small_blocks():
     """gpt2-small's shapes (vocabulary 50257, wider than every layer; 12 heads of 64), 2 blocks."""
