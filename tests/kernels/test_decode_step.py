@@ -112,7 +112,7 @@ def test_a_step_gives_the_same_logits_on_any_number_of_threads(mode):
         for threads in (1, 2, 3):
             cache = KVCache.preallocate(cfg.n_layer, 2, cfg.n_head, 16, cfg.n_embd // cfg.n_head)
             with torch.no_grad(), num_threads(threads):
-                expected = model(ids[:, :6], cache=cache)  # the prompt through the modules
+                model(ids[:, :6], cache=cache)  # the prompt, through the modules
                 step_cache = copy.deepcopy(cache)
                 expected = model(ids[:, 6:], cache=cache).logits[:, -1]
                 got[threads] = DecodeStep(model)(ids[:, 6:], step_cache)
