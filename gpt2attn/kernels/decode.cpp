@@ -745,9 +745,13 @@ struct Step {
         // and Q4_K layouts need), so no barrier stands between c_attn and attention: a thread starts
         // on its heads as soon as its own rows are done. Otherwise every (row, head) is handed out in turn.
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t h0 = nh * t / T, h1 = nh * (t + 1) / T;
+        const Share own_heads = even_share(nh, t, T);
+        const int64_t h0 = own_heads.first, h1 = own_heads.end;
         bool by_heads = B <= ALONE_ROWS;
-        for (int u = 0; u < T; u++) by_heads = by_heads && (nh * (u + 1) / T - nh * u / T) * hs % gpt2attn::GROUP_ROWS == 0;
+        for (int u = 0; u < T; u++) {
+            const Share heads = even_share(nh, u, T);
+            by_heads = by_heads && (heads.end - heads.first) * hs % gpt2attn::GROUP_ROWS == 0;
+        }
         const OwnRows heads_rows{h0 * hs, (h1 - h0) * hs, C, 3};  // their rows of q, of k and of v
         const Share heads_inputs{h0 * hs, h1 * hs};              // and their outputs, attn.c_proj's inputs
         const Share mlp_share = even_share(inner, t, T);        // this thread's inputs of a plain mlp.c_proj
