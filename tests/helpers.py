@@ -200,6 +200,6 @@ def kernel_builds() -> dict[str, object]:
     if not kernels.available():
         return {}
     wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= cpu.flags() else []
-    return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags, []))))
+    return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
             for name, flags in zip(("avx2", "avx512"), [kernels.FLAGS] + wide)}
 

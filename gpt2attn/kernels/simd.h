@@ -100,8 +100,12 @@ inline void quantize_q8(const float* x, int64_t n_blocks, int8_t* q, float* scal
 // A rows product reads its four rows as four streams; each step asks for the bytes PREFETCH_AHEAD
 // ahead in each (the hardware prefetcher alone keeps fewer reads in flight). Measured on Zen 4 in
 // A/B runs of one-call steps (2026-11-27): 256 bytes beat 2048 by 2-7% when memory read at
-// 32 GB/s and by 6-14% when it read at 50 GB/s; 128 and 384 were within 1-3% of 256.
-constexpr int64_t PREFETCH_AHEAD = 256;
+// 32 GB/s and by 6-14% when it read at 50 GB/s; 128 and 384 were within 1-3% of 256. The build
+// sets another distance where a CPU measured better with one (gpt2attn.kernels.PREFETCH_AHEAD).
+#ifndef GPT2ATTN_PREFETCH_AHEAD
+#define GPT2ATTN_PREFETCH_AHEAD 256
+#endif
+constexpr int64_t PREFETCH_AHEAD = GPT2ATTN_PREFETCH_AHEAD;
 inline void prefetch4(const void* w0, const void* w1, const void* w2, const void* w3, int64_t offset) {
     for (const void* w : {w0, w1, w2, w3}) _mm_prefetch((const char*)w + offset + PREFETCH_AHEAD, _MM_HINT_T0);
 }

@@ -203,6 +203,7 @@ def test_the_kernels_switched_on(built, cache, monkeypatch, value, said):
 @pytest.mark.parametrize("value", ["0", "false", "no", "off"])
 def test_avx512_switched_off_builds_the_avx2_kernels(monkeypatch, value):
     monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c", *kernels.AVX512})
+    monkeypatch.setattr(cpu, "vendor_family_model", lambda: ("AuthenticAMD", 26, 2))
     monkeypatch.setenv("GPT2ATTN_AVX512", value)
     assert kernels.flags() == kernels.FLAGS
     monkeypatch.setenv("GPT2ATTN_AVX512", "yes")
@@ -212,7 +213,17 @@ def test_avx512_switched_off_builds_the_avx2_kernels(monkeypatch, value):
 def test_avx512_is_built_only_where_the_cpu_has_all_of_it(monkeypatch):
     monkeypatch.delenv("GPT2ATTN_AVX512", raising=False)
     monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    monkeypatch.setattr(cpu, "vendor_family_model", lambda: ("AuthenticAMD", 26, 2))
     assert kernels.flags() == kernels.FLAGS
+
+
+@pytest.mark.parametrize("ident, ahead", [(("GenuineIntel", 6, 207), ["-DGPT2ATTN_PREFETCH_AHEAD=1024"]),
+                                          (("AuthenticAMD", 25, 17), []), (("AuthenticAMD", 26, 2), []), (None, [])])
+def test_the_prefetch_distance_follows_the_cpu_vendor(monkeypatch, ident, ahead):
+    # Intel's rows products ask for their weights 1024 bytes ahead, AMD's and an unknown CPU's 256 (simd.h's default)
+    monkeypatch.setattr(cpu, "flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(cpu, "vendor_family_model", lambda: ident)
+    assert kernels.flags() == kernels.FLAGS + ahead
 
 
 def test_the_cache_key_follows_everything_a_build_depends_on(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ compare a kernel with its reference skip with that reason; the fallback tests ru
 The kernel cache and the environment switches: tests/kernels/test_cache.py."""
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -160,6 +161,29 @@ def test_rows_q8_gives_the_same_bits_on_any_threads_in_a_prompt_and_in_either_bu
     for out in outs:
         assert torch.equal(out, outs[0][: out.size(0)])
     assert relative(outs[0], kernels.rows_q8_reference(x, w8, scale, None)) < 1e-5
+
+
+def test_the_prefetch_distance_changes_no_sums(monkeypatch):
+    # the rows products ask for their weights further ahead on some CPUs (kernels.PREFETCH_AHEAD):
+    # built with each distance, a step's product of the head's rows (real GPT-2 shapes, large
+    # values, 2 threads) gives the same bits in every weight dtype
+    if not kernel_builds():
+        pytest.skip("the kernels cannot run here")
+    wide = list(kernels.AVX512.values()) if "avx512" in kernel_builds() else []
+    intel = [f"-DGPT2ATTN_PREFETCH_AHEAD={kernels.PREFETCH_AHEAD['GenuineIntel']}"]
+    libs = [kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, kernels.FLAGS + wide + define, []))))
+            for define in ([], intel)]  # simd.h's default distance, and Intel's
+    x, w = torch.randn(DECODE_ROWS, 768, generator=G) * 1e3, torch.randn(VOCAB, 768, generator=G) * 1e3
+    bias = torch.randn(VOCAB, generator=G)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        wt = w.to(dtype)
+        outs = []
+        for lib in libs:
+            monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+            with num_threads(2):
+                outs.append(kernels.rows(x, wt, bias))
+        assert torch.equal(outs[0], outs[1]), dtype
+        assert relative(outs[0], kernels.rows_reference(x, wt, bias)) < 1e-5, dtype
 
 
 def test_a_steps_cols_product_gives_the_same_bits_in_either_build(monkeypatch):
