@@ -72,8 +72,8 @@ BUILD_SECONDS = 120  # the compiler is stopped after this long (a build takes 2-
 # here), by CPU vendor, from A/B runs of generate's steps alternating in one process. AMD: 256 (Zen 4,
 # 2026-11-27; on Zen 5, 2026-11-29, 512 and 1024 were 8 and 3 points of the read rate slower with
 # memory fast). Intel: 1024, measured on an Emerald Rapids VM (2026-11-29): fp16 and bf16 steps 9-16%
-# faster than with 256 at gpt2-small shapes and 7% at gpt2-medium's, 1536 and 2048 within 2% of
-# 1024, fp32 0-2% faster; other Intel cores untried.
+# faster than with 256 at gpt2-small shapes and 7% at gpt2-medium's, 1536 and 2048 within 3% of
+# 1024 either way, the plain fp32 model 2% faster; other Intel cores untried.
 PREFETCH_AHEAD = {"GenuineIntel": 1024}
 SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
