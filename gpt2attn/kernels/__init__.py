@@ -20,7 +20,7 @@ order of the additions differs; the quantization of x is exact), which runs when
 
 The kernels are C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
 VL, DQ and VNNI) they are built with those too, and the rows products then take 16 floats or 64
-int8 a step (simd.h). They are compiled on first use with the system's C++ compiler into a cache
+int8 a step (simd.h); on an Intel CPU they ask for their weights further ahead (PREFETCH_AHEAD). They are compiled on first use with the system's C++ compiler into a cache
 folder, under a name keyed by the sources, the flags, the compiler and this CPU, and loaded with
 ctypes; they link the OpenMP runtime torch already loaded (libgomp), so their threads are torch's.
 A build (seconds) says so in one line on stderr.
