@@ -20,9 +20,10 @@ order of the additions differs; the quantization of x is exact), which runs when
 
 The kernels are C++ with AVX2, FMA and F16C intrinsics and OpenMP; on a CPU with AVX-512 (F, BW,
 VL, DQ and VNNI) they are built with those too, and the rows products then take 16 floats or 64
-int8 a step (simd.h); on an Intel CPU they ask for their weights further ahead (PREFETCH_AHEAD). They are compiled on first use with the system's C++ compiler into a cache
-folder, under a name keyed by the sources, the flags, the compiler and this CPU, and loaded with
-ctypes; they link the OpenMP runtime torch already loaded (libgomp), so their threads are torch's.
+int8 a step (simd.h); on an Intel CPU they ask for their weights further ahead (PREFETCH_AHEAD).
+They are compiled on first use with the system's C++ compiler into a cache folder, under a name
+keyed by the sources, the flags, the compiler and this CPU, and loaded with ctypes; they link the
+OpenMP runtime torch already loaded (libgomp), so their threads are torch's.
 A build (seconds) says so in one line on stderr.
 
 The cache cannot take the process down: a library is published under its name only once complete
@@ -70,8 +71,8 @@ BLOCK = 32  # values per int8 block of x
 BUILD_SECONDS = 120  # the compiler is stopped after this long (a build takes 2-8 s)
 # How far ahead the rows products ask for their weights (simd.h's PREFETCH_AHEAD, 256 bytes unless set
 # here), by CPU vendor, from A/B runs of generate's steps alternating in one process. AMD: 256 (Zen 4,
-# 2026-11-27; on Zen 5, 2026-11-29, 512 and 1024 were 8 and 3 points of the read rate slower with
-# memory fast). Intel: 1024, measured on an Emerald Rapids VM (2026-11-29): fp16 and bf16 steps 9-16%
+# 2026-11-27; on Zen 5, 2026-11-29, 512 and 1024 made fp16 steps 17% and 8% slower with memory
+# fast). Intel: 1024, measured on an Emerald Rapids VM (2026-11-29): fp16 and bf16 steps 9-16%
 # faster than with 256 at gpt2-small shapes and 7% at gpt2-medium's, 1536 and 2048 within 3% of
 # 1024 either way, the plain fp32 model 2% faster; other Intel cores untried.
 PREFETCH_AHEAD = {"GenuineIntel": 1024}
