@@ -191,6 +191,13 @@ def _kernels_available() -> bool:
 needs_kernels = pytest.mark.skipif(not _kernels_available(), reason="the CPU kernels cannot run on this machine")
 
 
+def kernel_build(flags: list[str]) -> object:
+    """gpt2attn's CPU kernels built with these compiler flags (from the cache where built before), loaded."""
+    from gpt2attn import kernels
+
+    return kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags, []))))
+
+
 @lru_cache(maxsize=None)
 def kernel_builds() -> dict[str, object]:
     """Every build of gpt2attn's CPU kernels this CPU can run, by name ('avx2', 'avx512'), loaded;
@@ -200,6 +207,6 @@ def kernel_builds() -> dict[str, object]:
     if not kernels.available():
         return {}
     wide = [kernels.FLAGS + list(kernels.AVX512.values())] if set(kernels.AVX512) <= cpu.flags() else []
-    return {name: kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
+    return {name: kernel_build(flags + kernels.prefetch_flags())
             for name, flags in zip(("avx2", "avx512"), [kernels.FLAGS] + wide)}
 

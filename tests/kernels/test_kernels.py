@@ -7,7 +7,6 @@ compare a kernel with its reference skip with that reason; the fallback tests ru
 The kernel cache and the environment switches: tests/kernels/test_cache.py."""
 
 import copy
-import ctypes
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from gpt2attn import GPT2LMHeadModel, kernels
 from gpt2attn.quantize import DECODE_ROWS, Float32Linear, HalfLinear, Int8Linear
 from gpt2attn.quantize import kernels as layer_kernels
-from tests.helpers import REPO, hf_twin, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
+from tests.helpers import REPO, hf_twin, kernel_build, kernel_builds, max_diff, needs_kernels, num_threads, randomize, tiny_config
 
 G = torch.Generator().manual_seed(0)
 GPT2_SMALL = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # each block's (K, N)
@@ -171,8 +170,7 @@ def test_the_prefetch_distance_changes_no_sums(monkeypatch):
         pytest.skip("the kernels cannot run here")
     wide = list(kernels.AVX512.values()) if "avx512" in kernel_builds() else []
     intel = [f"-DGPT2ATTN_PREFETCH_AHEAD={kernels.PREFETCH_AHEAD['GenuineIntel']}"]
-    libs = [kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, kernels.FLAGS + wide + define, []))))
-            for define in ([], intel)]  # simd.h's default distance, and Intel's
+    libs = [kernel_build(kernels.FLAGS + wide + define) for define in ([], intel)]  # simd.h's default distance, and Intel's
     x, w = torch.randn(DECODE_ROWS, 768, generator=G) * 1e3, torch.randn(VOCAB, 768, generator=G) * 1e3
     bias = torch.randn(VOCAB, generator=G)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
