@@ -58,6 +58,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -517,16 +518,19 @@ struct Products {
 // (2026-11-27): fp32 cols 116 ms against MKL's 129-134 (its faster orientation; 151-178 the
 // other), fp16 rows 114 ms against 152 for widening slices for MKL, which the tiles replaced.
 constexpr int64_t TILE_ROWS = 8;
-constexpr int64_t COLS_KC = 384;  // k's of W at a time: the copied block (at most 4 x 384 x 48 floats) stays in L2 for every row of x
-constexpr int64_t COLS_GROUP = 4;  // strips copied together, so that each row of W is read as one span of 4
+constexpr int64_t COLS_KC = 384;  // k's of W at a time: the copied block (192 KiB AVX2, 144 KiB AVX-512) stays in L2 for every row of x
+// strips copied together, so that each row of W is read as one span of about 512 bytes: 8 strips of
+// 16 floats (AVX2), 2 of 48 (AVX-512)
+constexpr int64_t COLS_GROUP = std::max<int64_t>(1, 512 / (gpt2attn::COLS_V * gpt2attn::LANES * sizeof(float)));
 constexpr int64_t COLS_AHEAD = 4;  // rows of W asked for ahead of the copy
 
 // y[:, n : n + S * V * LANES] for every row of x: S strips of V registers side by side. Each block of
 // COLS_KC rows of the strips is first copied into `packed` ((S, rows, V * LANES): each strip's rows
 // adjacent), reading each row of W as one span and asking for the row COLS_AHEAD below it. The copy
-// waits on memory (each row of W a new place), not overlapped by the tiles: against copying one
-// strip at a time, gpt2-small's 48 block products (2 threads, Intel Emerald Rapids VM, 2026-11-29)
-// took 8-9% less time in the AVX2 build at 128 rows and 1-5% at 512, 0-3% in the AVX-512 build.
+// waits on memory (each row of W a new place) and is not overlapped by the tiles, so it weighs most
+// in short prompts: against copying one strip at a time, gpt2-small's 48 block products (2 threads,
+// Intel Emerald Rapids VM, 2026-11-29) took 36% less time in the AVX2 build at 12 rows, 26% at 24,
+// 12% at 128 and 2% at 512; 17%, 0%, 4% and 3% less in the AVX-512 build.
 template <int V>
 void cols_strips(const float* x, int64_t B, int64_t K, const float* w, int64_t N, int64_t n, int64_t S,
                  const float* bias, float* y, float* packed) {
@@ -555,13 +559,13 @@ void cols_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
     const int64_t K = W.K, N = W.N, panel = COLS_V * LANES, panels = N / panel, vec_end = N / LANES * LANES;
     const float* w = (const float*)W.weight;
     auto bias = [&](int64_t n) { return W.bias ? W.bias + n : nullptr; };
-    std::vector<float> packed(COLS_GROUP * COLS_KC * panel);  // this thread's
+    std::unique_ptr<float[]> packed(new float[COLS_GROUP * COLS_KC * panel]);  // this thread's, filled before read
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;  // this thread's panels, COLS_GROUP at a time
     for (int64_t p = p0; p < p1; p += COLS_GROUP)
-        cols_strips<COLS_V>(x, B, K, w, N, p * panel, std::min(COLS_GROUP, p1 - p), bias(p * panel), y, packed.data());
+        cols_strips<COLS_V>(x, B, K, w, N, p * panel, std::min(COLS_GROUP, p1 - p), bias(p * panel), y, packed.get());
 #pragma omp for schedule(static) nowait
-    for (int64_t n = panels * panel; n < vec_end; n += LANES) cols_strips<1>(x, B, K, w, N, n, 1, bias(n), y, packed.data());
+    for (int64_t n = panels * panel; n < vec_end; n += LANES) cols_strips<1>(x, B, K, w, N, n, 1, bias(n), y, packed.get());
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++)  // the columns after the last full register
         for (int64_t n = vec_end; n < N; n++) {
