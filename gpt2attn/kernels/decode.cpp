@@ -524,6 +524,18 @@ constexpr int64_t COLS_KC = 384;  // k's of W at a time: the copied block (192 K
 constexpr int64_t COLS_GROUP = std::max<int64_t>(1, 512 / (gpt2attn::COLS_V * gpt2attn::LANES * sizeof(float)));
 constexpr int64_t COLS_AHEAD = 4;  // rows of W asked for ahead of the copy
 
+// tile(std::integral_constant<int, rows>) for the rows (1 to MAX) left after a prompt's full tiles:
+// one tile of them all, each weight loaded once for them, rather than a tile a row. gpt2-small's 48
+// block products at 15 rows (2 threads, Intel Emerald Rapids VM, 2026-11-29): 9-14% less time, fp32
+// and fp16, either build; at 130-131 rows -4% to +2%.
+template <int MAX, typename Tile>
+void tail_rows(int64_t rows, Tile&& tile) {
+    if constexpr (MAX >= 1) {
+        if (rows == MAX) tile(std::integral_constant<int, MAX>());
+        else tail_rows<MAX - 1>(rows, tile);
+    }
+}
+
 // y[:, n : n + S * V * LANES] for every row of x: S strips of V registers side by side. Each block of
 // COLS_KC rows of the strips is first copied into `packed` ((S, rows, V * LANES): each strip's rows
 // adjacent), reading each row of W as one span and asking for the row COLS_AHEAD below it. The copy
@@ -549,7 +561,10 @@ void cols_strips(const float* x, int64_t B, int64_t K, const float* w, int64_t N
             float* strip_y = y + n + s * width;
             int64_t b = 0;
             for (; b + COLS_MT <= B; b += COLS_MT) cols_tile<COLS_MT, V>(x + b * K, K, p, width, k0, k1, strip_bias, k0 == 0, strip_y + b * N, N);
-            for (; b < B; b++) cols_tile<1, V>(x + b * K, K, p, width, k0, k1, strip_bias, k0 == 0, strip_y + b * N, N);
+            if (b < B)
+                tail_rows<COLS_MT - 1>(B - b, [&](auto mt) {
+                    cols_tile<decltype(mt)::value, V>(x + b * K, K, p, width, k0, k1, strip_bias, k0 == 0, strip_y + b * N, N);
+                });
         }
     }
 }
@@ -586,7 +601,10 @@ void rows_strip(const float* x, int64_t B, int64_t K, const T* w, int64_t N, int
     };
     int64_t b = 0;
     for (; b + ROWS_MT <= B; b += ROWS_MT) rows_tile<T, bf16, NT, ROWS_MT>(x + b * K, w + n0 * K, K, sums), put(b, ROWS_MT);
-    for (; b < B; b++) rows_tile<T, bf16, NT, 1>(x + b * K, w + n0 * K, K, sums), put(b, 1);
+    if (b < B)
+        tail_rows<ROWS_MT - 1>(B - b, [&](auto mt) {
+            rows_tile<T, bf16, NT, decltype(mt)::value>(x + b * K, w + n0 * K, K, sums), put(b, decltype(mt)::value);
+        });
 }
 
 template <typename T, bool bf16>

@@ -38,10 +38,11 @@ def test_cols_and_rows_match_their_references(build, B, K, N):
         assert relative(kernels.rows(x, wt, None), kernels.rows_reference(x, wt, None)) < 1e-5
 
 
-# A prompt's products (more than DECODE_ROWS rows) take the register tiles: B's past the tiles' rows
-# (13 = 8 + 4 + 1), N's past a full panel or tile (37, 21, 19: and past a whole register), K's
-# past a whole register (100, 103) and past a block of k's (3072), gpt2-small's shapes.
-@pytest.mark.parametrize("B", [DECODE_ROWS + 1, 13, 128, 131])
+# A prompt's products (more than DECODE_ROWS rows) take the register tiles: B's leaving every number
+# of rows after the full tiles (1-7 after the AVX-512 fp32 tiles of 8 rows, 1-5 after AVX2's of 6,
+# 1-3 after the 16-bit tiles of 4), N's past a full panel or tile (37, 21, 19: and past a whole
+# register), K's past a whole register (100, 103) and past a block of k's (3072), gpt2-small's shapes.
+@pytest.mark.parametrize("B", [DECODE_ROWS + 1, 10, 12, 13, 14, 15, 128, 131])
 @pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21), (103, 19), (800, 50)] + GPT2_SMALL)
 def test_a_prompt_s_tiles_match_their_references(build, B, K, N):
     x, w, bias = torch.randn(B, K, generator=G) * 4, torch.randn(K, N, generator=G), torch.randn(N, generator=G)
