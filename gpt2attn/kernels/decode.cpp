@@ -536,25 +536,78 @@ void tail_rows(int64_t rows, Tile&& tile) {
     }
 }
 
+// W as the cols tiles read it, a row of k at a time, copied a block at a time:
+//   copy(n, S, width, k0, k1, packed): rows k0 .. k1 - 1 of the S strips of `width` columns from
+//                                      column n, into packed ((S, k1 - k0, width): each strip's rows adjacent)
+//   at(k, n):                          one weight, for the columns after the last full register
+// ColsSource: a Conv1D's (K, N) fp32 weight as it lies, each row of W read as one span (several
+// strips at once) and the row COLS_AHEAD below asked for.
+struct ColsSource {
+    const float* w;
+    int64_t K, N;
+    void copy(int64_t n, int64_t S, int64_t width, int64_t k0, int64_t k1, float* packed) const {
+        for (int64_t k = k0; k < k1; k++) {
+            if (k + COLS_AHEAD < K)
+                for (int64_t c = 0; c < S * width; c += 16) _mm_prefetch((const char*)(w + (k + COLS_AHEAD) * N + n + c), _MM_HINT_T0);
+            for (int64_t s = 0; s < S; s++) memcpy(packed + (s * (k1 - k0) + k - k0) * width, w + k * N + n + s * width, width * sizeof(float));
+        }
+    }
+    float at(int64_t k, int64_t n) const { return w[k * N + n]; }
+};
+
+// r[0..7], 8 rows of 8 floats -> their 8 columns, in place
+inline void transpose8(__m256 r[8]) {
+    __m256 pairs[8], quads[8];
+    for (int i = 0; i < 8; i += 2) pairs[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), pairs[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int h = 0; h < 8; h += 4) {
+        quads[h] = _mm256_shuffle_ps(pairs[h], pairs[h + 2], 0x44), quads[h + 1] = _mm256_shuffle_ps(pairs[h], pairs[h + 2], 0xEE);
+        quads[h + 2] = _mm256_shuffle_ps(pairs[h + 1], pairs[h + 3], 0x44), quads[h + 3] = _mm256_shuffle_ps(pairs[h + 1], pairs[h + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) r[i] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x31);
+}
+
+// RowsSource: an (N, K) weight of fp32, fp16 or bf16, transposed (and widened) as it is copied, 8
+// rows of W by 8 k's at a time, each row's bytes ROWS_COPY_AHEAD ahead asked for
+constexpr int64_t ROWS_COPY_AHEAD = 512;
+template <typename T, bool bf16>
+struct RowsSource {
+    const T* w;
+    int64_t K;
+    void copy(int64_t n, int64_t S, int64_t width, int64_t k0, int64_t k1, float* packed) const {
+        const int64_t rows = k1 - k0, k8 = k0 + rows / 8 * 8;
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t j = 0; j < width; j += 8) {  // width: a multiple of 8
+                const T* from = w + (n + s * width + j) * K;  // W's rows n + s * width + j ..
+                float* to = packed + s * rows * width + j;   // .. their columns of packed
+                for (int64_t k = k0; k < k8; k += 8) {
+                    if (k * (int64_t)sizeof(T) % 64 == 0)  // once a cache line
+                        for (int i = 0; i < 8; i++) _mm_prefetch((const char*)(from + i * K + k) + ROWS_COPY_AHEAD, _MM_HINT_T0);
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++) r[i] = gpt2attn::load<T>(from + i * K + k, bf16);
+                    transpose8(r);
+                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(to + (k - k0 + i) * width, r[i]);
+                }
+                for (int64_t k = k8; k < k1; k++)
+                    for (int i = 0; i < 8; i++) to[(k - k0) * width + i] = gpt2attn::widen(from[i * K + k], bf16);
+            }
+    }
+    float at(int64_t k, int64_t n) const { return gpt2attn::widen(w[n * K + k], bf16); }
+};
+
 // y[:, n : n + S * V * LANES] for every row of x: S strips of V registers side by side. Each block of
-// COLS_KC rows of the strips is first copied into `packed` ((S, rows, V * LANES): each strip's rows
-// adjacent), reading each row of W as one span and asking for the row COLS_AHEAD below it. The copy
-// waits on memory (each row of W a new place) and is not overlapped by the tiles, so it weighs most
-// in short prompts: against copying one strip at a time, gpt2-small's 48 block products (2 threads,
-// Intel Emerald Rapids VM, 2026-11-29) took 36% less time in the AVX2 build at 12 rows, 26% at 24,
-// 12% at 128 and 2% at 512; 17%, 0%, 4% and 3% less in the AVX-512 build.
-template <int V>
-void cols_strips(const float* x, int64_t B, int64_t K, const float* w, int64_t N, int64_t n, int64_t S,
+// COLS_KC rows of the strips is first copied into `packed` by `src`, then every row of x passes
+// over it. The copy waits on memory and is not overlapped by the tiles, so it weighs most in short
+// prompts: against copying one strip at a time, gpt2-small's 48 block products (2 threads, Intel
+// Emerald Rapids VM, 2026-11-29) took 36% less time in the AVX2 build at 12 rows, 26% at 24, 12% at
+// 128 and 2% at 512; 17%, 0%, 4% and 3% less in the AVX-512 build.
+template <int V, typename Source>
+void cols_strips(const float* x, int64_t B, int64_t K, const Source& src, int64_t N, int64_t n, int64_t S,
                  const float* bias, float* y, float* packed) {
     using gpt2attn::COLS_MT, gpt2attn::LANES, gpt2attn::cols_tile;
     constexpr int64_t width = V * LANES;
     for (int64_t k0 = 0; k0 < K; k0 += COLS_KC) {
         const int64_t k1 = std::min(K, k0 + COLS_KC), rows = k1 - k0;
-        for (int64_t k = k0; k < k1; k++) {
-            if (k + COLS_AHEAD < K)
-                for (int64_t c = 0; c < S * width; c += 16) _mm_prefetch((const char*)(w + (k + COLS_AHEAD) * N + n + c), _MM_HINT_T0);
-            for (int64_t s = 0; s < S; s++) memcpy(packed + (s * rows + k - k0) * width, w + k * N + n + s * width, width * sizeof(float));
-        }
+        src.copy(n, S, width, k0, k1, packed);
         for (int64_t s = 0; s < S; s++) {
             const float* p = packed + (s * rows - k0) * width;  // row k of strip s at p + k * width
             const float* strip_bias = bias ? bias + s * width : nullptr;
@@ -569,23 +622,23 @@ void cols_strips(const float* x, int64_t B, int64_t K, const float* w, int64_t N
     }
 }
 
-void cols_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
+template <typename Source>
+void cols_tiles(const Matrix& W, const Source& src, const float* x, int64_t B, float* y) {
     using gpt2attn::COLS_V, gpt2attn::LANES;
     const int64_t K = W.K, N = W.N, panel = COLS_V * LANES, panels = N / panel, vec_end = N / LANES * LANES;
-    const float* w = (const float*)W.weight;
     auto bias = [&](int64_t n) { return W.bias ? W.bias + n : nullptr; };
     std::unique_ptr<float[]> packed(new float[COLS_GROUP * COLS_KC * panel]);  // this thread's, filled before read
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;  // this thread's panels, COLS_GROUP at a time
     for (int64_t p = p0; p < p1; p += COLS_GROUP)
-        cols_strips<COLS_V>(x, B, K, w, N, p * panel, std::min(COLS_GROUP, p1 - p), bias(p * panel), y, packed.get());
+        cols_strips<COLS_V>(x, B, K, src, N, p * panel, std::min(COLS_GROUP, p1 - p), bias(p * panel), y, packed.get());
 #pragma omp for schedule(static) nowait
-    for (int64_t n = panels * panel; n < vec_end; n += LANES) cols_strips<1>(x, B, K, w, N, n, 1, bias(n), y, packed.get());
+    for (int64_t n = panels * panel; n < vec_end; n += LANES) cols_strips<1>(x, B, K, src, N, n, 1, bias(n), y, packed.get());
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++)  // the columns after the last full register
         for (int64_t n = vec_end; n < N; n++) {
             float s = W.bias ? W.bias[n] : 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[b * K + k] * w[k * N + n];
+            for (int64_t k = 0; k < K; k++) s = std::fma(x[b * K + k], src.at(k, n), s);  // one rounding, whichever source
             y[b * N + n] = s;
         }  // implicit barrier
 }
@@ -607,11 +660,23 @@ void rows_strip(const float* x, int64_t B, int64_t K, const T* w, int64_t N, int
         });
 }
 
+// A rows weight's prompt of TRANSPOSED_ROWS rows or more takes the cols tiles, its weight transposed
+// (and widened) block by block as it is copied; a shorter one the rows tiles (NT rows of W widened
+// in registers for ROWS_MT rows of x, no copy), where the copy would cost more than it saves.
+// gpt2-small's 48 block products, fp16 weights, 2 threads, Intel Emerald Rapids VM (2026-11-29),
+// A/B in one process, time against the rows tiles: 9 rows +21%, 12 rows +11%, 16 rows -7.5%, 24
+// rows -9%, 128 rows -30% (133.5 -> 98.4 ms; MKL's fp32 product 92.7), 512 rows -37% (494 -> 349
+// ms); the AVX2 build 12 rows +10%, 128 rows -16%; fp32 and bf16 rows at 128 rows -19% and -33%.
+// At many rows the rows tiles read all of x again for each tile of W (6 MB at 512 rows of 3072)
+// and widen each weight again for each tile of x; the cols tiles do neither.
+constexpr int64_t TRANSPOSED_ROWS = 16;
+
 template <typename T, bool bf16>
 void rows_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
     using gpt2attn::ROWS_NT;
     const int64_t K = W.K, N = W.N, tiles = N / ROWS_NT;
     const T* w = (const T*)W.weight;
+    if (B >= TRANSPOSED_ROWS) return cols_tiles(W, RowsSource<T, bf16>{w, K}, x, B, y);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t <= tiles; t++) {  // the last: the rows after the last full tile, one at a time
         if (t < tiles) rows_strip<T, bf16, ROWS_NT>(x, B, K, w, N, t * ROWS_NT, W.bias, y);
@@ -621,7 +686,7 @@ void rows_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
 
 void prompt_tiles(const Matrix& W, const float* x, int64_t B, float* y) {
     switch (W.kind) {
-        case COLS_F32: cols_tiles(W, x, B, y); break;
+        case COLS_F32: cols_tiles(W, ColsSource{(const float*)W.weight, W.K, W.N}, x, B, y); break;
         case ROWS_F32: rows_tiles<float, false>(W, x, B, y); break;
         case ROWS_F16: rows_tiles<uint16_t, false>(W, x, B, y); break;
         case ROWS_BF16: rows_tiles<uint16_t, true>(W, x, B, y); break;

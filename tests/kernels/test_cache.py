@@ -6,9 +6,11 @@ the library this machine builds where a test needs one, and clears kernels.libra
 after. A damaged library on disk would take a process down if it were loaded, so those faults run
 in a fresh process."""
 
+import ctypes
 import errno
 import json
 import os
+import platform
 import pwd
 import shutil
 import subprocess
@@ -47,6 +49,20 @@ def cache(tmp_path, monkeypatch):
     kernels.library.cache_clear()
     yield tmp_path / "kernels"
     kernels.library.cache_clear()
+
+
+def test_the_shipped_sources_build_wherever_the_kernels_can_run(cache):
+    """A compile error in decode.cpp or simd.h fails here, in each build this CPU runs, rather than
+    turning every kernel test (their builds come from kernel_builds(), empty where none loads) into
+    a skip."""
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64") or not set(kernels.NEEDS) <= cpu.flags():
+        pytest.skip("the kernels are built for x86-64 Linux with AVX2, FMA and F16C")
+    if kernels._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    wide = set(kernels.AVX512) <= cpu.flags()
+    for flags in [kernels.FLAGS] + ([kernels.FLAGS + list(kernels.AVX512.values())] if wide else []):
+        kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
+    assert kernels.available()
 
 
 @pytest.fixture(scope="module")

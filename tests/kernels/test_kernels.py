@@ -38,11 +38,13 @@ def test_cols_and_rows_match_their_references(build, B, K, N):
         assert relative(kernels.rows(x, wt, None), kernels.rows_reference(x, wt, None)) < 1e-5
 
 
-# A prompt's products (more than DECODE_ROWS rows) take the register tiles: B's leaving every number
-# of rows after the full tiles (1-7 after the AVX-512 fp32 tiles of 8 rows, 1-5 after AVX2's of 6,
-# 1-3 after the 16-bit tiles of 4), N's past a full panel or tile (37, 21, 19: and past a whole
-# register), K's past a whole register (100, 103) and past a block of k's (3072), gpt2-small's shapes.
-@pytest.mark.parametrize("B", [DECODE_ROWS + 1, 10, 12, 13, 14, 15, 128, 131])
+# A prompt's products (more than DECODE_ROWS rows) take the register tiles: the cols tiles, which a
+# rows weight takes too from 16 rows on (copied transposed), and below that the rows tiles. B's
+# leaving every number of rows after the full tiles in each (1-7 after the AVX-512 cols tiles of 8
+# rows, 1-5 after AVX2's of 6, 1-3 after the rows tiles of 4), N's past a full panel or tile (37, 21,
+# 19: and past a whole register), K's past a whole register (100, 103) and past a block of k's
+# (800, 3072), gpt2-small's shapes.
+@pytest.mark.parametrize("B", [DECODE_ROWS + 1, 10, 12, 13, 14, 15, 17, 18, 19, 20, 21, 22, 23, 128, 131])
 @pytest.mark.parametrize("K, N", [(64, 96), (100, 37), (40, 21), (103, 19), (800, 50)] + GPT2_SMALL)
 def test_a_prompt_s_tiles_match_their_references(build, B, K, N):
     x, w, bias = torch.randn(B, K, generator=G) * 4, torch.randn(K, N, generator=G), torch.randn(N, generator=G)
@@ -54,6 +56,20 @@ def test_a_prompt_s_tiles_match_their_references(build, B, K, N):
         exact = x.double() @ wt.double().t() + bias.double()
         assert relative(kernels.rows(x, wt, bias), exact) < 1e-5, dtype
         assert relative(kernels.rows(x, wt, None), exact - bias.double()) < 1e-5, dtype
+
+
+@pytest.mark.parametrize("B", [17, 131])
+@pytest.mark.parametrize("K, N", [(100, 37), (800, 50), (3072, 768)])
+def test_a_long_prompt_s_rows_product_is_the_cols_product_of_the_widened_weight(build, B, K, N):
+    """From 16 rows on (decode.cpp's TRANSPOSED_ROWS) a rows weight's prompt takes the cols tiles,
+    its weight transposed and widened as it is copied: the very bits of the cols product on the fp32
+    (K, N) weight it holds, where the rows tiles' sums (across lanes) would differ in the last bits."""
+    x, w, bias = torch.randn(B, K, generator=G) * 4, torch.randn(K, N, generator=G), torch.randn(N, generator=G)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        wt = w.t().contiguous().to(dtype)  # (N, K)
+        held = wt.float().t().contiguous()  # (K, N): the same values
+        assert torch.equal(kernels.rows(x, wt, bias), kernels.cols(x, held, bias)), dtype
+        assert torch.equal(kernels.rows(x, wt, None), kernels.cols(x, held, None)), dtype
 
 
 def test_a_prompt_s_tiles_give_the_same_sums_on_any_number_of_threads(build):
