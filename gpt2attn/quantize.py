@@ -52,8 +52,8 @@ run again on the dequantized weights, may move a sub-block in a few thousand by 
 written as 'q4' keeps the very Q4_K blocks). The 16-bit, int8 and q4 layers are for inference: no
 gradients flow through them.
 
-bf16 prompts ask gpt2attn.cpu.bf16_report() whether this CPU multiplies bf16 natively (AMX,
-AVX512-BF16); bf16 decoding does not need it.
+bf16 prompts ask gpt2attn.cpu.bf16_prompts_native() whether this CPU's own bf16 products (AMX,
+or AVX512-BF16 on AMD) beat the kernels' tiles; bf16 decoding does not need them.
 """
 
 from __future__ import annotations
@@ -191,11 +191,12 @@ class HalfLinear(PackedLinear):
     layout of the head's kernel, which every 16-bit product then shares (the (in, out) layout
     measured no faster for 16-bit decoding); products accumulate in fp32.
 
-    A prompt (more than DECODE_ROWS rows) takes the same kernel in register tiles (each weight
-    widened once for a tile of input rows), except bf16 on a CPU that multiplies bf16 itself (`native_bf16`, from gpt2attn.cpu.bf16_report(): AVX512-BF16
-    or AMX), where torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to
-    bf16 and the output too (fp32 sums between): about twice as fast, measured, with logits about
-    three times further from fp32's (see docs/cpu-decoding.md)."""
+    A prompt (more than DECODE_ROWS rows) takes the kernels' register tiles (each weight widened
+    once for several input rows), except bf16 where gpt2attn.cpu.bf16_prompts_native() says the CPU's
+    own bf16 products are faster (`native_bf16`: AMX, or AVX512-BF16 on AMD's Zen 4 and Zen 5), where
+    torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to bf16 and the
+    output too (fp32 sums between): 1.6x the tiles on Zen 4, with logits about three times further
+    from fp32's (see docs/cpu-decoding.md)."""
 
     decode_reference = "torch (MKL) fp32 on the widened weight"
 
@@ -204,7 +205,7 @@ class HalfLinear(PackedLinear):
         self.weight_dtype = dtype
         super().__init__(weight, bias, conv, tied)
         self.decode_kernel = f"gpt2attn {str(dtype).removeprefix('torch.')} rows"
-        self.native_bf16 = dtype == torch.bfloat16 and cpu.bf16_report()[0]
+        self.native_bf16 = dtype == torch.bfloat16 and cpu.bf16_prompts_native()
 
     @property
     def prefill_kernel(self) -> str:

@@ -49,3 +49,14 @@ def test_without_cpuinfo_there_are_no_flags(cpuinfo):
     assert cpu.name() == platform.processor()
     native, sentence = cpu.bf16_report()
     assert native is False and "neither amx_bf16 nor avx512_bf16" in sentence
+
+
+@pytest.mark.parametrize("vendor, extra, native", [
+    ("AuthenticAMD", "avx512_bf16", True),  # Zen 4, Zen 5: oneDNN's bf16 beat the tiles
+    ("GenuineIntel", "avx512_bf16", False),  # without AMX: the tiles beat oneDNN's bf16
+    ("GenuineIntel", "avx512_bf16 amx_bf16", True),
+    ("AuthenticAMD", "", False),  # no bf16 products at all: torch would emulate them
+])
+def test_bf16_prompts_take_the_cpu_s_own_products_where_they_beat_the_tiles(cpuinfo, vendor, extra, native):
+    cpuinfo(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 fma f16c {extra}\n")
+    assert cpu.bf16_prompts_native() is native

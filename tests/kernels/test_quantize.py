@@ -221,15 +221,19 @@ WIDENED = "torch (MKL) fp32 on the widened weight"  # without the kernels
 ONEDNN = "torch (oneDNN) bf16, the CPU's own: input and output rounded to bf16, fp32 sums"
 
 
-@pytest.mark.parametrize("mode, dtype, cpu_flags, prefill", [
-    ("fp16", "float16", {"avx2", "avx512_bf16"}, "tiles"), ("bf16", "bfloat16", {"avx2"}, "tiles"),
-    ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, ONEDNN), ("bf16", "bfloat16", {"amx_bf16"}, ONEDNN)])
-def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, prefill, monkeypatch):
-    """A bf16 prompt takes the CPU's own bf16 products where it has them (the flags are this test's)."""
+@pytest.mark.parametrize("mode, dtype, cpu_flags, vendor, prefill", [
+    ("fp16", "float16", {"avx2", "avx512_bf16"}, "AuthenticAMD", "tiles"), ("bf16", "bfloat16", {"avx2"}, "AuthenticAMD", "tiles"),
+    ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, "AuthenticAMD", ONEDNN),
+    ("bf16", "bfloat16", {"avx2", "avx512_bf16"}, "GenuineIntel", "tiles"),
+    ("bf16", "bfloat16", {"avx2", "avx512_bf16", "amx_bf16"}, "GenuineIntel", ONEDNN)])
+def test_a_half_layer_names_its_kernels(mode, dtype, cpu_flags, vendor, prefill, monkeypatch):
+    """A bf16 prompt takes the CPU's own bf16 products where they beat the tiles: AMX, or AVX512-BF16
+    on AMD (the CPU is this test's)."""
     from gpt2attn import cpu
     from gpt2attn import kernels as K
 
     monkeypatch.setattr(cpu, "flags", lambda: cpu_flags)
+    monkeypatch.setattr(cpu, "vendor_family_model", lambda: (vendor, 25, 17))
     model = randomize(GPT2LMHeadModel(tiny_config()), seed=0).quantize(mode)
     decode = f"gpt2attn {dtype} rows" if K.available() else "plain torch"
     if prefill == "tiles":  # the decoding kernel, in register tiles
@@ -261,7 +265,7 @@ def test_each_mode_computes_x_times_its_rounded_weight_for_steps_and_prompts(mod
     import gpt2attn.quantize as Q
     from gpt2attn import cpu
 
-    monkeypatch.setattr(cpu, "flags", lambda: {"avx512_bf16"} if mode == "bf16 native" else {"avx2"})
+    monkeypatch.setattr(cpu, "flags", lambda: {"amx_bf16", "avx512_bf16"} if mode == "bf16 native" else {"avx2"})
     dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(mode, torch.bfloat16)
     cfg = tiny_config(n_embd=64, vocab_size=300, tie_word_embeddings=False)
     plain = randomize(GPT2LMHeadModel(cfg), seed=3, std=0.1).eval()
