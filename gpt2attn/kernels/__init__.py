@@ -234,6 +234,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("gpt2attn_product", [ctypes.POINTER(Matrix), p, i64, p, i32], i32),
         ("gpt2attn_quantize_q8", [p, i64, i64, p, p], None),
         ("gpt2attn_argmax", [p, i64, i64, p], None),
+        ("gpt2attn_gelu", [p, i64, p, i32], None),
         ("gpt2attn_decode_step", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32], i32),
         ("gpt2attn_decode_greedy", [ctypes.POINTER(Model), p, p, p, i64, i64, p, i64, p, i32, i64, p, i64, i64, p,
                                     p, i64, p], i64),
@@ -332,6 +333,23 @@ def argmax(scores: Tensor) -> Tensor:
     out = torch.empty(x.size(0), dtype=torch.int64)
     lib.gpt2attn_argmax(_ptr(x), x.size(0), x.size(1), _ptr(out))
     return out
+
+
+def gelu(x: Tensor) -> Tensor:
+    """gelu_new of fp32 x (any shape) into a new tensor: the decoding step's GELU (within a few fp32
+    roundings of torch's tanh GELU), on torch's thread count."""
+    lib = library()
+    if lib is None:
+        return gelu_reference(x)
+    x = x.contiguous()
+    assert x.dtype == torch.float32 and x.device.type == "cpu", "x: fp32 on the CPU"
+    y = torch.empty_like(x)
+    lib.gpt2attn_gelu(_ptr(x), x.numel(), _ptr(y), torch.get_num_threads())
+    return y
+
+
+def gelu_reference(x: Tensor) -> Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -253,6 +253,25 @@ def test_a_plain_model_s_first_token_comes_from_the_head_product_every_step_take
 
 
 @needs_kernels
+def test_a_prompt_s_gelu_within_kernel_products_is_the_kernels(monkeypatch):
+    """Within kernel_products() (generate's prompt pass) the MLP's tanh GELU is the kernels' (the
+    step's own), and outside it torch's; both give the same hidden states to fp32 rounding."""
+    from gpt2attn import kernels
+
+    model = model_for("plain")
+    prompt = torch.randint(0, 203, (2, 9), generator=torch.Generator().manual_seed(4))
+    calls = []
+    monkeypatch.setattr(kernels, "gelu", lambda x, real=kernels.gelu: calls.append(x.shape) or real(x))
+    with torch.no_grad():
+        with kernel_products():
+            inside = model.transformer(prompt).last_hidden_state
+        assert calls == [(2, 9, model.config.n_inner or 4 * model.config.n_embd)] * model.config.n_layer
+        calls.clear()
+        outside = model.transformer(prompt).last_hidden_state
+    assert not calls and max_diff(inside, outside) < 1e-5
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["plain", "int8"])
 def test_left_padded_prompts_take_the_step_and_keep_their_tokens(mode, monkeypatch):
     model = model_for(mode)

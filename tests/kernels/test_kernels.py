@@ -95,6 +95,13 @@ def test_the_head_at_gpt2_small_shape(build, dtype):
         assert relative(kernels.rows(x, w, bias), kernels.rows_reference(x, w, bias)) < 1e-5
 
 
+@pytest.mark.parametrize("shape", [(128, 3072), (3, 4099), (13,)])  # gpt2-small's MLP; past chunks and registers
+def test_gelu_is_torch_s_tanh_gelu(build, shape):
+    x = torch.randn(shape, generator=G) * 4
+    x.view(-1)[:7] = torch.tensor([0.0, -100.0, 100.0, float("inf"), -float("inf"), float("nan"), 1e-30])
+    torch.testing.assert_close(kernels.gelu(x), kernels.gelu_reference(x), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("V", [1, 13, VOCAB])
 def test_argmax_is_torch_s_with_ties_infinities_and_nans(build, V):
     """generate's greedy pick: the first of equal largest values, and the first NaN in a row that
