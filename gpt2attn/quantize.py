@@ -195,8 +195,8 @@ class HalfLinear(PackedLinear):
     once for several input rows), except bf16 where gpt2attn.cpu.bf16_prompts_native() says the CPU's
     own bf16 products are faster (`native_bf16`: AMX, or AVX512-BF16 on AMD's Zen 4 and Zen 5), where
     torch's bf16 product (oneDNN) runs on the weight as it is, the input rounded to bf16 and the
-    output too (fp32 sums between): 1.6x the tiles on Zen 4, with logits about three times further
-    from fp32's (see docs/cpu-decoding.md)."""
+    output too (fp32 sums between): on Zen 4, 1.6x the rows tiles then (2026-11-27), with logits
+    about three times further from fp32's (see docs/cpu-decoding.md)."""
 
     decode_reference = "torch (MKL) fp32 on the widened weight"
 
