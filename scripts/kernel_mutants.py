@@ -65,6 +65,18 @@ MUTANTS = [
     ("decode.cpp", "for (int64_t n = 0; n < N; n++) mine[b * N + n] += xk * w[k * N + n];",
      "for (int64_t n = 0; n < N; n++) mine[b * N + n] = xk * w[k * N + n];",
      "cols: the leftover inputs (K not a multiple of 8) overwrite instead of add"),
+    ("decode.cpp", "r[i + 4] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x31);",
+     "r[i + 4] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x21);",
+     "transpose8: the last four columns take the wrong halves"),
+    ("decode.cpp", "        float* to = packed + s * rows * width + j;",
+     "        float* to = packed + s * rows * width;", "a rows weight's transposed copy: every 8 rows into the first 8 columns"),
+    ("decode.cpp", "to[(k - k0) * width + i] = gpt2attn::widen(from[i * K + k], bf16);",
+     "to[(k - k0) * width + i] = gpt2attn::widen(from[i * K + k0], bf16);",
+     "a rows weight's transposed copy: the k's after the last 8 take the block's first"),
+    ("decode.cpp", "s = std::fma(x[b * K + k], src.at(k, n), s);", "s = std::fma(x[b * K + k], src.at(k, n), 0.0f);",
+     "the cols tiles' last columns keep only the last product"),
+    ("decode.cpp", "        for (; i < i1; i++) y[i] = gelu1(x[i]);", "        for (; i < i1; i++) y[i] = x[i];",
+     "the prompt's GELU: the values after the last 8 pass through"),
 ]
 
 
