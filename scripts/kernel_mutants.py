@@ -75,8 +75,9 @@ MUTANTS = [
      "a rows weight's transposed copy: the k's after the last 8 take the block's first"),
     ("decode.cpp", "s = std::fma(x[b * K + k], src.at(k, n), s);", "s = std::fma(x[b * K + k], src.at(k, n), 0.0f);",
      "the cols tiles' last columns keep only the last product"),
-    ("decode.cpp", "        for (; i < i1; i++) y[i] = gelu1(x[i]);", "        for (; i < i1; i++) y[i] = x[i];",
-     "the prompt's GELU: the values after the last 8 pass through"),
+    ("decode.cpp", "finish(y + i0, x + i0, nullptr, std::min(CHUNK, n - i0), GELU);",
+     "finish(y + i0, x + i0, nullptr, std::min(CHUNK, n - i0) / 8 * 8, GELU);",
+     "the prompt's GELU: the values after the last 8 left unwritten"),
 ]
 
 

@@ -920,18 +920,13 @@ int gpt2attn_product(const Matrix* W, const float* x, int64_t B, float* y, int t
     return 0;
 }
 
-// y = gelu_new(x) for n floats on `threads` threads: the steps' GELU (gelu8), for the MLP of a
-// prompt through the modules (torch's tanh GELU took 400 us for 128 x 3072 values on 2 threads,
+// y = gelu_new(x) for n floats on `threads` threads: the steps' GELU epilogue (finish), for the MLP
+// of a prompt through the modules (torch's tanh GELU took 400 us for 128 x 3072 values on 2 threads,
 // Intel Emerald Rapids VM, 2026-11-29: 7 ms of a 128-token prompt pass of gpt2-small).
 void gpt2attn_gelu(const float* x, int64_t n, float* y, int threads) {
     constexpr int64_t CHUNK = 4096;  // values a thread takes at a time
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
-        const int64_t i1 = std::min(n, i0 + CHUNK);
-        int64_t i = i0;
-        for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, gelu8(_mm256_loadu_ps(x + i)));
-        for (; i < i1; i++) y[i] = gelu1(x[i]);
-    }
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) finish(y + i0, x + i0, nullptr, std::min(CHUNK, n - i0), GELU);
 }
 
 // out[r] = torch's argmax of row r's n values of x (rows n apart): the index of the largest, the first
