@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu
 from . import kernels as cpu_kernels
 from .attention import causal_mask, is_registered, padding_mask, registered_attention, scaled_dot_product_attention
 from .cache import KVCache
@@ -27,22 +28,24 @@ from .config import GPT2Config, check_config, inner_dim
 # transformers' to the last bit, except within kernel_products(): generate's prompt pass on a model
 # whose steps run gpt2attn.kernels' products (generation.decoder) runs there, and Conv1D then takes
 # the kernels' product too (quantize("fp32")'s), which sums in another order (within fp32 rounding
-# of transformers', as the steps' own) and is faster: gpt2-small's prompt pass of 128 tokens
-# 1.2-1.3x (docs/cpu-decoding.md).
-_KERNEL_PRODUCTS = contextvars.ContextVar("gpt2attn_kernel_products", default=False)
+# of transformers', as the steps' own) and is faster: on AMD's CPUs, gpt2-small's prompt pass of
+# 128 tokens 1.2-1.3x. On Intel's, MKL's product is the faster for a prompt's rows
+# (cpu.torch_fp32_prompts), so there only a few rows (drafts, a batch's step) take the kernels'.
+# The variable holds, within kernel_products(), the most rows Conv1D gives the kernels; None outside.
+_KERNEL_PRODUCTS: contextvars.ContextVar[float | None] = contextvars.ContextVar("gpt2attn_kernel_products", default=None)
 
 
 def _kernels_take(x: Tensor) -> bool:
     """Whether x goes through gpt2attn.kernels: within kernel_products(), fp32 on the CPU, no autograd."""
-    kernel = not torch.compiler.is_compiling() and _KERNEL_PRODUCTS.get()  # (torch.compile traces no ContextVar)
+    kernel = not torch.compiler.is_compiling() and _KERNEL_PRODUCTS.get() is not None  # (torch.compile traces no ContextVar)
     return kernel and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
 
 
 @contextlib.contextmanager
 def kernel_products():
-    """Within it, Conv1D and the tanh GELU compute fp32 inputs on the CPU without autograd through
-    gpt2attn.kernels."""
-    token = _KERNEL_PRODUCTS.set(True)
+    """Within it, the tanh GELU and Conv1D compute fp32 inputs on the CPU without autograd through
+    gpt2attn.kernels (Conv1D a prompt's rows only where cpu.torch_fp32_prompts() says no)."""
+    token = _KERNEL_PRODUCTS.set(cpu_kernels.TILE_ROWS if cpu.torch_fp32_prompts() else math.inf)
     try:
         yield
     finally:
@@ -64,7 +67,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))  # (N, nx)
-        if _kernels_take(x2):
+        if _kernels_take(x2) and x2.size(0) <= _KERNEL_PRODUCTS.get():
             out = cpu_kernels.cols(x2, self.weight, self.bias)  # (N, nf)
         else:
             out = torch.addmm(self.bias, x2, self.weight)

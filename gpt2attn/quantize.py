@@ -35,7 +35,8 @@ fp32. generate() decodes a quantized model, as a plain fp32 one, in one call per
     so does q4's, per 256;
   - more rows (a prompt): fp32 and 16-bit weights through the same kernels in register tiles
     (16-bit weights widened in registers; without the kernels, torch's product on the weight
-    widened to fp32), except bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16
+    widened to fp32), except fp32 on Intel's CPUs, where torch's product (MKL) is the faster (see
+    Float32Linear), and bf16 on a CPU that multiplies bf16 itself, which takes torch's bf16
     product (see HalfLinear); int8 through the same kernel as decoding (each row quantized in blocks of 32 alike, every
     row in one pass over the weights), so the one int8 copy serves prompts and steps, and a
     prompt's products equal decoding's to the bit (an int8 layer whose input width is not a multiple of 32 takes
@@ -76,7 +77,7 @@ from .layers import Conv1D
 
 MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-DECODE_ROWS = 8  # calls with at most this many rows take the matrix-vector kernels
+DECODE_ROWS = cpu_kernels.TILE_ROWS  # calls with at most this many rows take the matrix-vector kernels
 
 
 class CpuLinear(nn.Module):
@@ -110,7 +111,9 @@ class CpuLinear(nn.Module):
 
 
 class Float32Linear(CpuLinear):
-    """The layer's own fp32 parameters, shared (not copied): state_dict and ties stay as they were."""
+    """The layer's own fp32 parameters, shared (not copied): state_dict and ties stay as they were.
+    A prompt (more than DECODE_ROWS rows) takes the kernels' register tiles, or torch's product
+    where gpt2attn.cpu.torch_fp32_prompts() says MKL's is the faster (`torch_prompts`: Intel's CPUs)."""
 
     decode_reference = "torch fp32"
 
@@ -118,14 +121,17 @@ class Float32Linear(CpuLinear):
         super().__init__(*(weight.shape if conv else weight.shape[::-1]), conv)
         self.weight, self.bias = weight, bias
         self.decode_kernel = f"gpt2attn fp32 {'cols' if conv else 'rows'}"
+        self.torch_prompts = cpu.torch_fp32_prompts()
 
     @property
     def prefill_kernel(self) -> str:
-        return f"{self.decode_kernel}, register tiles" if cpu_kernels.available() else "torch (MKL) fp32"
+        tiles = cpu_kernels.available() and not self.torch_prompts
+        return f"{self.decode_kernel}, register tiles" if tiles else "torch (MKL) fp32"
 
     def _decodes(self, x: Tensor) -> bool:  # with gradients wanted, only autograd's path will do
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        return not wants_grad and self.weight.dtype == torch.float32 and super()._decodes(x)
+        prompt_to_torch = self.torch_prompts and x.size(0) > DECODE_ROWS
+        return not wants_grad and not prompt_to_torch and self.weight.dtype == torch.float32 and super()._decodes(x)
 
     def decode(self, x: Tensor) -> Tensor:  # the kernels read raw memory: no autograd to detach from
         return (cpu_kernels.cols if self.conv else cpu_kernels.rows)(x, self.weight, self.bias)

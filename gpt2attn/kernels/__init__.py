@@ -244,6 +244,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+TILE_ROWS = 8  # a product of more rows than this is a prompt's, in decode.cpp's register tiles (its TILE_ROWS)
+
 # The weights as decode.cpp reads them: each matrix a Matrix of one kind (decode.cpp's Kind).
 COLS_F32 = 0  # (K, N), Conv1D's layout
 ROWS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # (N, K), nn.Linear's layout

@@ -60,3 +60,14 @@ def test_without_cpuinfo_there_are_no_flags(cpuinfo):
 def test_bf16_prompts_take_the_cpu_s_own_products_where_they_beat_the_tiles(cpuinfo, vendor, extra, native):
     cpuinfo(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 fma f16c {extra}\n")
     assert cpu.bf16_prompts_native() is native
+
+
+@pytest.mark.parametrize("vendor, by_torch", [("GenuineIntel", True), ("AuthenticAMD", False), ("HygonGenuine", False)])
+def test_fp32_prompts_take_torch_s_products_on_intel(cpuinfo, vendor, by_torch):
+    cpuinfo(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 6\nmodel\t\t: 207\nflags\t\t: fpu avx2 fma f16c\n")
+    assert cpu.torch_fp32_prompts() is by_torch
+
+
+def test_without_cpuinfo_fp32_prompts_take_the_tiles(cpuinfo):
+    cpuinfo(None)
+    assert cpu.torch_fp32_prompts() is False

@@ -364,6 +364,42 @@ def test_an_fp32_layer_computes_x_w_plus_b_for_any_number_of_rows(rows, conv):
     assert max_diff(got, want) < 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("vendor, tiles", [("AuthenticAMD", True), ("GenuineIntel", False), (None, True)])
+def test_a_prompt_s_fp32_products_take_the_tiles_or_torch_s_by_the_cpu(vendor, tiles, monkeypatch):
+    """A prompt's fp32 rows (more than DECODE_ROWS) take the kernels' register tiles, except on
+    Intel's CPUs, where torch's product (MKL) is the faster (cpu.torch_fp32_prompts): so do
+    quantize("fp32")'s layers and, within kernel_products() (generate's prompt pass), the plain
+    model's Conv1D; a step's few rows take the kernels' either way. gpt2-small's c_attn, 2 threads."""
+    from gpt2attn import cpu
+    from gpt2attn import kernels as K
+    from gpt2attn.layers import Conv1D, kernel_products
+    from gpt2attn.quantize import DECODE_ROWS, Float32Linear
+
+    monkeypatch.setattr(cpu, "vendor_family_model", lambda: None if vendor is None else (vendor, 6, 207))
+    calls = []
+    monkeypatch.setattr(K, "cols", lambda x, w, b, real=K.cols: calls.append(x.size(0)) or real(x, w, b))
+    torch.manual_seed(0)
+    conv = Conv1D(2304, 768)
+    torch.nn.init.normal_(conv.bias)
+    layer = Float32Linear(conv.weight, conv.bias, conv=True)
+    prefill = "gpt2attn fp32 cols, register tiles" if tiles and K.available() else "torch (MKL) fp32"
+    assert layer.kernel.endswith(f"prefill: {prefill}")
+    for rows in (DECODE_ROWS, DECODE_ROWS + 1, 128):
+        x = torch.randn(rows, 768) * 4
+        with num_threads(2), torch.no_grad():
+            with kernel_products():
+                plain = conv(x)
+            fp32 = layer(x)
+            want = torch.addmm(conv.bias, x, conv.weight)  # transformers' product
+        kernel = tiles or rows <= DECODE_ROWS
+        assert calls == [rows, rows] * kernel, rows
+        calls.clear()
+        if kernel:
+            assert max_diff(plain, want) < 1e-5 * float(want.abs().max()) and torch.equal(plain, fp32)
+        else:
+            assert torch.equal(plain, want) and torch.equal(fp32, want)
+
+
 def test_a_prompt_with_gradients_takes_autograd_s_path():
     """With gradients wanted, an fp32 layer's prompt is torch's product, which autograd follows."""
     from gpt2attn.quantize import Float32Linear
