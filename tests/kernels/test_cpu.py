@@ -2,8 +2,10 @@
 and the benchmarks ask it (on fake cpuinfo texts, so the test does not depend on this machine)."""
 
 import platform
+from pathlib import Path
 
 import pytest
+import torch
 
 from gpt2attn import cpu
 
@@ -71,3 +73,33 @@ def test_fp32_prompts_take_torch_s_products_on_intel(cpuinfo, vendor, by_torch):
 def test_without_cpuinfo_fp32_prompts_take_the_tiles(cpuinfo):
     cpuinfo(None)
     assert cpu.torch_fp32_prompts() is False
+
+
+ZEN5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+
+
+@pytest.mark.parametrize("text, ident", [
+    (ZEN5, ("AuthenticAMD", 26, 2)),
+    (ZEN5.replace("cpu family\t: 26\n", ""), None),  # each of the three missing
+    (ZEN5.replace("model\t\t: 2\n", ""), None),
+    (ZEN5.replace("vendor_id\t: AuthenticAMD\n", ""), None),
+    (ZEN5.replace("cpu family\t: 26", "cpu family\t: 1a"), None),  # a number that is not decimal
+    (ZEN5.replace("model\t\t: 2\n", "model\t\t: two\n"), None),
+])
+def test_vendor_family_and_model_come_whole_or_not_at_all(cpuinfo, text, ident):
+    cpuinfo(text)
+    assert cpu.vendor_family_model() == ident
+
+
+def test_this_machine_s_own_cpuinfo_is_the_one_read():
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        pytest.skip("no /proc/cpuinfo here (not Linux)")
+    lines = [line for line in info.read_text().splitlines() if line.split(":")[0].strip() in ("flags", "Features")]
+    assert lines and cpu.flags() == set(lines[0].partition(":")[2].split())
+
+
+@pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_bf16"}])
+def test_the_bf16_sentence_names_torch_s_cpu_capability(monkeypatch, flags):
+    monkeypatch.setattr(cpu, "flags", lambda: flags)
+    assert f"(torch capability {torch.backends.cpu.get_cpu_capability()})" in cpu.bf16_report()[1]
