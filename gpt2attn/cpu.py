@@ -71,8 +71,8 @@ def bf16_prompts_native() -> bool:
 def torch_fp32_prompts() -> bool:
     """Whether a prompt's fp32 products are faster through torch's (MKL's sgemm) than through the
     kernels' register tiles: on Intel's CPUs. generate's prompt pass of gpt2-small, 2 threads, A/B
-    in one process: on an Intel Emerald Rapids VM (2026-11-29) MKL took 4-9% less time from 9 to 32
-    tokens and 8-14% less at 128 and 512 (with MKL and the kernels held to AVX2, 1-8% less); on an
+    in one process: on an Intel Emerald Rapids VM (2026-11-29) MKL took 3-8% less time from 9 to 32
+    tokens and 7-14% less at 128 and 512 (with MKL and the kernels held to AVX2, 1-8% less); on an
     AMD EPYC Zen 4 the tiles took 116 ms for the 48 block products at 128 rows against MKL's 129-134
     (2026-11-27), and on a Zen 5 (2026-11-29) MKL's products alone made 909 tok/s at 128 tokens
     against the tiles' whole pass's 1761."""
