@@ -51,18 +51,21 @@ def cache(tmp_path, monkeypatch):
     kernels.library.cache_clear()
 
 
-def test_the_shipped_sources_build_wherever_the_kernels_can_run(cache):
+def test_the_shipped_sources_build_wherever_the_kernels_can_run(monkeypatch):
     """A compile error in decode.cpp or simd.h fails here, in each build this CPU runs, rather than
     turning every kernel test (their builds come from kernel_builds(), empty where none loads) into
-    a skip."""
+    a skip. The builds go to the default cache, where kernel_builds() finds them: a library there
+    is keyed by the sources' bytes, so one found for these sources was compiled from them."""
     if (platform.system(), platform.machine()) != ("Linux", "x86_64") or not set(kernels.NEEDS) <= cpu.flags():
         pytest.skip("the kernels are built for x86-64 Linux with AVX2, FMA and F16C")
     if kernels._compiler() is None:
         pytest.skip("no C++ compiler here")
     wide = set(kernels.AVX512) <= cpu.flags()
     for flags in [kernels.FLAGS] + ([kernels.FLAGS + list(kernels.AVX512.values())] if wide else []):
-        kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
-    assert kernels.available()
+        lib = kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
+        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+        x, w, b = torch.randn(3, 40), torch.randn(40, 24), torch.randn(24)
+        assert torch.allclose(kernels.cols(x, w, b), torch.addmm(b, x, w), rtol=1e-5, atol=1e-5), flags
 
 
 @pytest.fixture(scope="module")
