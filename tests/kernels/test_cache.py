@@ -51,7 +51,7 @@ def cache(tmp_path, monkeypatch):
     kernels.library.cache_clear()
 
 
-def test_the_shipped_sources_build_wherever_the_kernels_can_run(monkeypatch):
+def test_the_shipped_sources_build_wherever_the_kernels_can_run(monkeypatch, tmp_path):
     """A compile error in decode.cpp or simd.h fails here, in each build this CPU runs, rather than
     turning every kernel test (their builds come from kernel_builds(), empty where none loads) into
     a skip. The builds go to the default cache, where kernel_builds() finds them: a library there
@@ -60,6 +60,14 @@ def test_the_shipped_sources_build_wherever_the_kernels_can_run(monkeypatch):
         pytest.skip("the kernels are built for x86-64 Linux with AVX2, FMA and F16C")
     if kernels._compiler() is None:
         pytest.skip("no C++ compiler here")
+    try:
+        default = kernels.cache_dir()
+        default.mkdir(parents=True, exist_ok=True)
+        writable = os.access(default, os.W_OK)
+    except (kernels.Unavailable, OSError):
+        writable = False
+    if not writable:  # no default cache to share: a folder of this test's own
+        monkeypatch.setenv("GPT2ATTN_CACHE", str(tmp_path))
     wide = set(kernels.AVX512) <= cpu.flags()
     for flags in [kernels.FLAGS] + ([kernels.FLAGS + list(kernels.AVX512.values())] if wide else []):
         lib = kernels._bind(ctypes.CDLL(str(kernels.build(kernels.SOURCES, flags + kernels.prefetch_flags(), []))))
