@@ -24,6 +24,11 @@ CPU implementer\t: 0x41
 """
 
 
+def one_cpu(vendor: str, extra_flags: str = "") -> str:
+    """/proc/cpuinfo of one x86 processor of this vendor, with AVX2, FMA and F16C and extra_flags."""
+    return f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 fma f16c {extra_flags}\n"
+
+
 @pytest.fixture
 def cpuinfo(monkeypatch):
     def use(text: str | None) -> None:
@@ -60,13 +65,13 @@ def test_without_cpuinfo_there_are_no_flags(cpuinfo):
     ("AuthenticAMD", "", False),  # no bf16 products at all: torch would emulate them
 ])
 def test_bf16_prompts_take_the_cpu_s_own_products_where_they_beat_the_tiles(cpuinfo, vendor, extra, native):
-    cpuinfo(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: fpu avx2 fma f16c {extra}\n")
+    cpuinfo(one_cpu(vendor, extra))
     assert cpu.bf16_prompts_native() is native
 
 
 @pytest.mark.parametrize("vendor, by_torch", [("GenuineIntel", True), ("AuthenticAMD", False), ("HygonGenuine", False)])
 def test_fp32_prompts_take_torch_s_products_on_intel(cpuinfo, vendor, by_torch):
-    cpuinfo(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 6\nmodel\t\t: 207\nflags\t\t: fpu avx2 fma f16c\n")
+    cpuinfo(one_cpu(vendor))
     assert cpu.torch_fp32_prompts() is by_torch
 
 
