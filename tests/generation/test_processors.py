@@ -89,3 +89,59 @@ def test_temperature_comes_before_the_filters():
     _same(ours.apply(chain, IDS, LOGITS), expected)
     tempered_after = ours.temperature(ours.top_p(ours.top_k(LOGITS, 6), 0.8), 0.5)
     assert not torch.equal(torch.isinf(tempered_after), torch.isinf(expected))  # the order shows
+
+
+# top_p at GPT-2's vocabulary: bit for bit transformers' mask, from the sorted values alone unless a
+# tie straddles the line ------------------------------------------------------------------------
+
+V = 50257
+
+
+def _gpt2_rows(kind: str, seed: int) -> torch.Tensor:
+    """(3, V) logits: random at three scales (the largest gives a nucleus of a few tokens), after a
+    top-k of 50 (all but 50 at -inf), or from four values only (ties everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        return torch.randint(0, 4, (3, V), generator=g).float()
+    rows = torch.randn(3, V, generator=g) * torch.tensor([[1.0], [5.0], [30.0]])
+    return ours.top_k(rows, 50) if kind == "top_k" else rows
+
+
+@pytest.fixture
+def by_order(monkeypatch):
+    """Counts the calls of top_p's path through torch's sort order."""
+    calls = []
+    original = ours._top_p_by_order
+    monkeypatch.setattr(ours, "_top_p_by_order", lambda *args: calls.append(args) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["random", "top_k"])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_over_gpt2_s_vocabulary_is_transformers_mask_without_its_sort(kind, p, by_order):
+    for seed in range(4):
+        scores = _gpt2_rows(kind, seed)
+        expected = hf.TopPLogitsWarper(p)(IDS, scores.clone())
+        assert torch.equal(ours.top_p(scores, p), expected)
+        if kind == "random" and p == 0.9:  # a nucleus of many tokens in the first row
+            assert 100 < torch.isfinite(expected[0]).sum() < V
+    assert by_order == []
+
+
+@pytest.mark.parametrize("p, keep", [(0.3, 1), (0.6, 1), (0.9, 1), (0.1, 3), (0.9, 2000)])
+def test_top_p_with_tied_values_on_the_line_takes_transformers_order(p, keep, by_order):
+    for seed in range(4):
+        scores = _gpt2_rows("ties", seed)
+        expected = hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)(IDS, scores.clone())
+        assert torch.equal(ours.top_p(scores, p, keep), expected)
+    assert by_order  # four values, each ~12500 tokens: the line falls inside a run of equal ones
+
+
+def test_top_p_of_rows_with_inf_or_nan_is_transformers(by_order):
+    scores = _gpt2_rows("random", 0)
+    scores[0, 7] = float("inf")
+    scores[1, 9] = float("nan")
+    scores[2] = float("-inf")
+    expected = hf.TopPLogitsWarper(0.9)(IDS, scores.clone())
+    torch.testing.assert_close(ours.top_p(scores, 0.9), expected, rtol=0, atol=0, equal_nan=True)
+    assert len(by_order) == 1
