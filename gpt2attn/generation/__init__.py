@@ -8,6 +8,7 @@ classes, the kernels and decode_step.py.
 
     config.py      GenerationConfig: defaults from the model, overridden by keywords
     processors.py  logits processors, one small function each
+    sampling.py    a token drawn from each row's probabilities, as torch.multinomial draws it
     decoder.py     the model stepping on one preallocated, in-place KV cache
     search.py      greedy / sampling, beam search
     assisted.py    assisted decoding: an assistant model's or the prompt's drafts, verified

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .decoder import Decoder
 from .processors import Processor, apply
+from .sampling import draw
 
 # (ids [1, L], at most k) -> (draft tokens [d], d <= k; their processed scores [d, V] when the
 # drafts were drawn from a distribution, else None)
@@ -78,7 +79,7 @@ def draft_from_assistant(assistant, out: Tensor, capacity: int, chain: list[Proc
 def choose(scores: Tensor, do_sample: bool, generator: torch.Generator | None) -> Tensor:
     """The token of each row of processed scores (N, V): the best, or one drawn from their softmax."""
     if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        return draw(scores.softmax(dim=-1), generator)
     return scores.argmax(dim=-1)
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import kernels
 from .processors import Processor, apply
+from .sampling import draw
 
 FUSED_TOKENS = 16  # tokens a row per call of the decoder's greedy loop (the ~80 us of Python a call: 5 a token)
 Stops = Callable[[Tensor], Tensor]  # sequences [M, L] -> bool [M]: does the last token end them?
@@ -32,7 +33,7 @@ def sample_search(dec, logits: Tensor, out: Tensor, cur: int, cfg, chain: list[P
             record["logits"].append(logits)
             record["scores"].append(scores)
         if cfg.do_sample:
-            tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+            tokens = draw(scores.softmax(dim=-1), generator)
         else:
             tokens = kernels.argmax(scores)
         if cfg.eos_ids:  # a finished row gets pad; without eos it keeps its tokens, as in transformers

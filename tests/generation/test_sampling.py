@@ -1,0 +1,107 @@
+"""gpt2attn.generation.sampling.draw: torch.multinomial's tokens and random stream, at GPT-2's
+vocabulary, whether it computes every entry's variate (as multinomial) or the nonzero ones alone."""
+
+import pytest
+import torch
+
+from gpt2attn.generation import sampling
+from gpt2attn.generation.processors import top_p
+
+V = 50257
+
+
+def _probs(kind: str, rows: int, seed: int) -> torch.Tensor:
+    """(rows, V) probabilities of random logits: all nonzero, or after a top-k of 50, or after a
+    top-p of 0.9 (a few hundred tokens a row)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, V, generator=g) * (4.0 if kind == "top_p" else 3.0)
+    if kind == "top_k":
+        logits = logits.masked_fill(logits < logits.topk(50).values[:, -1:], float("-inf"))
+    if kind == "top_p":
+        logits = top_p(logits, 0.9)
+    return logits.softmax(dim=-1)
+
+
+@pytest.fixture
+def multinomial_calls(monkeypatch):
+    """Counts the calls of torch.multinomial (after the once-a-process check has made its own)."""
+    assert sampling.same_as_multinomial()
+    calls = []
+    original = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "dense"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_draw_gives_multinomial_s_tokens_and_leaves_the_generator_where_it_does(kind, rows, multinomial_calls):
+    probs = _probs(kind, rows, seed=rows)
+    live = int((probs > 0).sum())
+    theirs, ours = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    expected = [torch.multinomial(probs, 1, generator=theirs).squeeze(1) for _ in range(10)]
+    multinomial_calls.clear()
+    got = [sampling.draw(probs, ours) for _ in range(10)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(theirs.get_state(), ours.get_state())
+    assert len({tuple(e.tolist()) for e in expected}) > 1  # the draws differ: the stream decides them
+    if kind == "dense":  # every entry's variate is needed: multinomial's own work
+        assert len(multinomial_calls) == 10
+    else:  # top-k's 50 and top-p's few hundred a row: the nonzero entries' alone
+        assert 50 <= live <= sampling.MOST_LIVE and multinomial_calls == []
+
+
+def test_draw_on_the_default_generator_is_multinomial_s(multinomial_calls):
+    probs = _probs("top_k", 2, seed=0)
+    torch.manual_seed(3)
+    expected = [torch.multinomial(probs, 1).squeeze(1) for _ in range(5)]
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    multinomial_calls.clear()
+    got = [sampling.draw(probs) for _ in range(5)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(torch.get_rng_state(), after)
+    assert multinomial_calls == []
+
+
+def test_the_once_a_process_check_catches_another_variate(monkeypatch):
+    assert sampling.same_as_multinomial.__wrapped__()
+    monkeypatch.setattr(sampling, "LOW_53", (1 << 52) - 1)  # a uniform of 52 bits: other variates
+    assert not sampling.same_as_multinomial.__wrapped__()
+
+
+def test_where_the_check_fails_draw_is_multinomial(monkeypatch, multinomial_calls):
+    monkeypatch.setattr(sampling, "same_as_multinomial", lambda: False)
+    probs = _probs("top_k", 1, seed=0)
+    theirs, ours = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    assert torch.equal(sampling.draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
+    assert len(multinomial_calls) == 2
+
+
+@pytest.mark.parametrize("bad", ["negative", "nan", "zero row"])
+def test_bad_probabilities_raise_multinomial_s_error(bad):
+    probs = _probs("top_k", 2, seed=0)
+    if bad == "negative":
+        probs[1, probs[1].argmax()] = -0.5
+    elif bad == "nan":
+        probs[0, 0] = float("nan")
+    else:
+        probs[1] = 0.0
+    with pytest.raises(RuntimeError) as theirs:
+        torch.multinomial(probs, 1)
+    with pytest.raises(RuntimeError) as ours:
+        sampling.draw(probs)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_the_once_a_process_check_catches_a_generator_left_elsewhere(monkeypatch):
+    calls = []
+    original = sampling.sparse_draw
+
+    def leaves_it_one_draw_on(probs, live, generator):  # right tokens, but the last draw takes one word too many
+        calls.append(1)
+        tokens = original(probs, live, generator)
+        if len(calls) == 4:
+            torch.empty(1, dtype=torch.int64).random_(generator=generator)
+        return tokens
+
+    monkeypatch.setattr(sampling, "sparse_draw", leaves_it_one_draw_on)
+    assert not sampling.same_as_multinomial.__wrapped__() and len(calls) == 4
