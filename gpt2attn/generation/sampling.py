@@ -27,20 +27,29 @@ MOST_LIVE = 1024  # nonzero probabilities (all rows together) above which draw l
 
 def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """torch.multinomial(probs, 1, generator=generator).squeeze(1) for probs (N, V): one token a row."""
-    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2:
-        live = probs > 0  # (N, V)
-        if int(live.sum()) <= MOST_LIVE and bool(torch.isfinite(probs).all()) and bool(live.any(dim=1).all()) \
-                and not bool((probs < 0).any()) and same_as_multinomial():
-            return sparse_draw(probs, live, generator)
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 and probs.numel():
+        lo, hi = torch.aminmax(probs)
+        if lo >= 0 and hi < math.inf:  # no negative, infinite or NaN entry: multinomial's errors stay its own
+            live = probs > 0  # (N, V)
+            counts = live.sum(dim=1).tolist()
+            if min(counts) > 0 and sum(counts) <= MOST_LIVE and same_as_multinomial():
+                return sparse_draw(probs, live, generator)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 def sparse_draw(probs: Tensor, live: Tensor, generator: torch.Generator | None) -> Tensor:
     """multinomial's tokens for probs (N, V) whose nonzero entries are `live`, q computed for those alone."""
     words = torch.empty(probs.shape, dtype=torch.int64).random_(generator=generator)  # (N, V): multinomial's draws
-    rows, cols = live.nonzero(as_tuple=True)
-    q = torch.tensor([-math.log1p(-(w & LOW_53) * 2.0**-53) for w in words[rows, cols].tolist()],
-                     dtype=torch.float64).float()
+    return tokens_of(probs, live, words)
+
+
+def tokens_of(probs: Tensor, live: Tensor, words: Tensor) -> Tensor:
+    """argmax of probs / q for each row, q the variates of the 64-bit words (N, V), computed where
+    probs are `live` and where u is 0 (q = 0: probs / q is inf there, or NaN for a zero probability,
+    which argmax takes first, as multinomial's argmax does); elsewhere probs / q is 0."""
+    u53 = words & LOW_53  # (N, V): u times 2^53
+    rows, cols = (live | (u53 == 0)).nonzero(as_tuple=True)
+    q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()], dtype=torch.float64).float()
     ratio = torch.zeros_like(probs)
     ratio[rows, cols] = probs[rows, cols] / q
     return ratio.argmax(dim=1)

@@ -76,13 +76,15 @@ def test_where_the_check_fails_draw_is_multinomial(monkeypatch, multinomial_call
     assert len(multinomial_calls) == 2
 
 
-@pytest.mark.parametrize("bad", ["negative", "nan", "zero row"])
+@pytest.mark.parametrize("bad", ["negative", "nan", "inf", "zero row"])
 def test_bad_probabilities_raise_multinomial_s_error(bad):
     probs = _probs("top_k", 2, seed=0)
     if bad == "negative":
         probs[1, probs[1].argmax()] = -0.5
     elif bad == "nan":
         probs[0, 0] = float("nan")
+    elif bad == "inf":
+        probs[0, 3] = float("inf")
     else:
         probs[1] = 0.0
     with pytest.raises(RuntimeError) as theirs:
@@ -105,3 +107,18 @@ def test_the_once_a_process_check_catches_a_generator_left_elsewhere(monkeypatch
 
     monkeypatch.setattr(sampling, "sparse_draw", leaves_it_one_draw_on)
     assert not sampling.same_as_multinomial.__wrapped__() and len(calls) == 4
+
+
+def test_a_uniform_of_zero_gives_multinomial_s_pick_too():
+    """u = 0 (one draw in 2^53) makes q = 0: probs / q is inf for a live token and NaN for a zero
+    probability, which argmax picks; the variates of every entry, as multinomial computes them, decide."""
+    probs = _probs("top_k", 3, seed=0)
+    live = probs > 0
+    words = torch.randint(1, 1 << 62, probs.shape, generator=torch.Generator().manual_seed(0))
+    dead = (~live[0]).nonzero()[5].item()
+    words[0, dead] = 1 << 60  # the low 53 bits zero: u = 0 at a zero probability
+    words[1, live[1].nonzero()[-1].item()] = 0  # and at a live token
+    every_q = (-torch.log1p(-(words & sampling.LOW_53).double() * 2.0**-53)).float()
+    expected = (probs / every_q).argmax(dim=1)
+    assert expected[0].item() == dead and probs[1, expected[1]] > 0
+    assert torch.equal(sampling.tokens_of(probs, live, words), expected)
