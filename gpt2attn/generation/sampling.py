@@ -46,13 +46,14 @@ def sparse_draw(probs: Tensor, live: Tensor, generator: torch.Generator | None) 
 def tokens_of(probs: Tensor, live: Tensor, words: Tensor) -> Tensor:
     """argmax of probs / q for each row, q the variates of the 64-bit words (N, V), computed where
     probs are `live` and where u is 0 (q = 0: probs / q is inf there, or NaN for a zero probability,
-    which argmax takes first, as multinomial's argmax does); elsewhere probs / q is 0."""
+    which argmax takes first, as multinomial's argmax does); elsewhere probs / q is 0, which never
+    wins over a live entry's, so each row's argmax is that of its computed entries, in order."""
     u53 = words & LOW_53  # (N, V): u times 2^53
-    rows, cols = (live | (u53 == 0)).nonzero(as_tuple=True)
+    rows, cols = (live | (u53 == 0)).nonzero(as_tuple=True)  # (n,) each, row by row, in index order
     q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()], dtype=torch.float64).float()
-    ratio = torch.zeros_like(probs)
-    ratio[rows, cols] = probs[rows, cols] / q
-    return ratio.argmax(dim=1)
+    ratio = probs[rows, cols] / q  # (n,)
+    ends = torch.bincount(rows, minlength=probs.size(0)).cumsum(0).tolist()
+    return torch.stack([cols[start + ratio[start:end].argmax()] for start, end in zip([0] + ends[:-1], ends)])
 
 
 @functools.cache
