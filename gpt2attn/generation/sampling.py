@@ -44,15 +44,15 @@ def sparse_draw(probs: Tensor, live: Tensor, generator: torch.Generator | None) 
 
 
 def tokens_of(probs: Tensor, live: Tensor, words: Tensor) -> Tensor:
-    """argmax of probs / q for each row, q the variates of the 64-bit words (N, V), computed where
+    """argmax of probs / q for each row (each with a live entry), q the variates of the 64-bit words (N, V), computed where
     probs are `live` and where u is 0 (q = 0: probs / q is inf there, or NaN for a zero probability,
     which argmax takes first, as multinomial's argmax does); elsewhere probs / q is 0, which never
     wins over a live entry's, so each row's argmax is that of its computed entries, in order."""
     u53 = words & LOW_53  # (N, V): u times 2^53
     rows, cols = (live | (u53 == 0)).nonzero(as_tuple=True)  # (n,) each, row by row, in index order
-    q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()], dtype=torch.float64).float()
+    q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()], dtype=torch.float32)  # doubles rounded
     ratio = probs[rows, cols] / q  # (n,)
-    ends = torch.bincount(rows, minlength=probs.size(0)).cumsum(0).tolist()
+    ends = torch.bincount(rows).cumsum(0).tolist()  # (N,): every row has a live entry
     return torch.stack([cols[start + ratio[start:end].argmax()] for start, end in zip([0] + ends[:-1], ends)])
 
 

@@ -122,3 +122,21 @@ def test_a_uniform_of_zero_gives_multinomial_s_pick_too():
     expected = (probs / every_q).argmax(dim=1)
     assert expected[0].item() == dead and probs[1, expected[1]] > 0
     assert torch.equal(sampling.tokens_of(probs, live, words), expected)
+
+
+@pytest.mark.parametrize("live_a_row", [1, sampling.MOST_LIVE])
+def test_one_live_token_a_row_or_the_most_live_take_the_live_tokens_alone(live_a_row, multinomial_calls):
+    probs = _probs("dense", 1, seed=5)
+    probs[:, live_a_row:] = 0.0  # the first live_a_row tokens alone
+    theirs, ours = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    expected = [torch.multinomial(probs, 1, generator=theirs).squeeze(1) for _ in range(3)]
+    multinomial_calls.clear()
+    assert all(torch.equal(sampling.draw(probs, ours), e) for e in expected)
+    assert torch.equal(theirs.get_state(), ours.get_state()) and multinomial_calls == []
+
+
+def test_probabilities_in_double_are_multinomial_s_own(multinomial_calls):
+    probs = _probs("top_k", 2, seed=0).double()
+    theirs, ours = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    assert torch.equal(sampling.draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
+    assert len(multinomial_calls) == 2  # its variates stay double: no float rounding to share
