@@ -93,8 +93,9 @@ def top_p(scores: Tensor, p: float, min_keep: int = 1) -> Tensor:
     n = drop.sum(dim=-1, keepdim=True)  # (N, 1): how many of the worst go
     first_kept = ascending.gather(1, n.clamp(max=V - 1))
     last_dropped = ascending.gather(1, (n - 1).clamp(min=0))
+    # (a row holding inf or NaN, or only -inf, has NaN masses, drops none and is decided: n = 0)
     decided = (n == 0) | ((n < V) & (last_dropped < first_kept))
-    if not (decided.all() and torch.isfinite(ascending[:, -1]).all()):  # a tie on the line, all dropped, inf or NaN
+    if not decided.all():  # a tie on the line, or every token dropped
         return _top_p_by_order(scores, p, min_keep)
     return scores.masked_fill(scores < first_kept, NEG_INF)
 

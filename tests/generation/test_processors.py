@@ -117,7 +117,7 @@ def by_order(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["random", "top_k"])
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.95, 0.999, 1.0])
 def test_top_p_over_gpt2_s_vocabulary_is_transformers_mask_without_its_sort(kind, p, by_order):
     for seed in range(4):
         scores = _gpt2_rows(kind, seed)
@@ -137,11 +137,39 @@ def test_top_p_with_tied_values_on_the_line_takes_transformers_order(p, keep, by
     assert by_order  # four values, each ~12500 tokens: the line falls inside a run of equal ones
 
 
-def test_top_p_of_rows_with_inf_or_nan_is_transformers(by_order):
-    scores = _gpt2_rows("random", 0)
-    scores[0, 7] = float("inf")
-    scores[1, 9] = float("nan")
-    scores[2] = float("-inf")
+@pytest.mark.parametrize("row", ["inf", "nan", "all -inf"])
+def test_top_p_of_a_row_with_inf_or_nan_is_transformers(row, by_order):
+    scores = _gpt2_rows("random", 0)[:1]
+    if row == "inf":
+        scores[0, 7] = float("inf")
+    elif row == "nan":
+        scores[0, 9] = float("nan")
+    else:
+        scores[0] = float("-inf")
     expected = hf.TopPLogitsWarper(0.9)(IDS, scores.clone())
     torch.testing.assert_close(ours.top_p(scores, 0.9), expected, rtol=0, atol=0, equal_nan=True)
-    assert len(by_order) == 1
+    assert by_order == []  # its masses are NaN: nothing dropped, without the order
+
+
+def test_top_p_on_a_mass_exactly_at_1_minus_p_is_transformers():
+    """Four equal logits: masses 1/4, 1/2, 3/4, 1 exactly; at p = 0.5 the second worst's mass is
+    1 - p itself, and it goes (at most 1 - p)."""
+    scores = torch.tensor([[0.0, 0.0, 0.0, 0.0, float("-inf")]])
+    expected = hf.TopPLogitsWarper(0.5)(IDS, scores.clone())
+    assert torch.equal(ours.top_p(scores, 0.5), expected) and torch.isfinite(expected).sum() == 2
+
+
+def test_top_p_of_float32_logits_on_the_cpu_asks_torch_for_no_sort(monkeypatch):
+    scores = _gpt2_rows("random", 1)
+    expected = hf.TopPLogitsWarper(0.9)(IDS, scores.clone())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch's sort was asked for")
+
+    monkeypatch.setattr(torch.Tensor, "sort", refused)
+    assert torch.equal(ours.top_p(scores, 0.9), expected)
+
+
+def test_top_p_of_float64_logits_is_transformers():
+    scores = _gpt2_rows("random", 2).double()
+    assert torch.equal(ours.top_p(scores, 0.9), hf.TopPLogitsWarper(0.9)(IDS, scores.clone()))
