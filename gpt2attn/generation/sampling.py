@@ -38,19 +38,22 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 
 def sparse_draw(probs: Tensor, live: Tensor, generator: torch.Generator | None) -> Tensor:
-    """multinomial's tokens for probs (N, V) whose nonzero entries are `live`, q computed for those alone."""
+    """multinomial's tokens for probs (N, V) whose nonzero entries are `live`, q computed for those
+    alone."""
     words = torch.empty(probs.shape, dtype=torch.int64).random_(generator=generator)  # (N, V): multinomial's draws
     return tokens_of(probs, live, words)
 
 
 def tokens_of(probs: Tensor, live: Tensor, words: Tensor) -> Tensor:
-    """argmax of probs / q for each row (each with a live entry), q the variates of the 64-bit words (N, V), computed where
-    probs are `live` and where u is 0 (q = 0: probs / q is inf there, or NaN for a zero probability,
-    which argmax takes first, as multinomial's argmax does); elsewhere probs / q is 0, which never
-    wins over a live entry's, so each row's argmax is that of its computed entries, in order."""
+    """argmax of probs / q for each row (each with a live entry), q the variates of the 64-bit words
+    (N, V), computed where probs are `live` and where u is 0 (q = 0: probs / q is inf there, or NaN
+    for a zero probability, which argmax takes first, as multinomial's argmax does); elsewhere
+    probs / q is 0, which never wins over a live entry's, so each row's argmax is that of its
+    computed entries, in order."""
     u53 = words & LOW_53  # (N, V): u times 2^53
     rows, cols = (live | (u53 == 0)).nonzero(as_tuple=True)  # (n,) each, row by row, in index order
-    q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()], dtype=torch.float32)  # doubles rounded
+    q = torch.tensor([-math.log1p(-(w * 2.0**-53)) for w in u53[rows, cols].tolist()],
+                     dtype=torch.float32)  # (n,): doubles rounded, as multinomial's variates are
     ratio = probs[rows, cols] / q  # (n,)
     ends = torch.bincount(rows).cumsum(0).tolist()  # (N,): every row has a live entry
     return torch.stack([cols[start + ratio[start:end].argmax()] for start, end in zip([0] + ends[:-1], ends)])
@@ -58,12 +61,14 @@ def tokens_of(probs: Tensor, live: Tensor, words: Tensor) -> Tensor:
 
 @functools.cache
 def same_as_multinomial() -> bool:
-    """Whether sparse_draw gives this torch's multinomial tokens and leaves its generator in the same state."""
-    probs = torch.zeros(2, 1000)
-    probs[:, ::25] = torch.rand(2, 40, generator=torch.Generator().manual_seed(0))  # 40 live a row
+    """Whether sparse_draw gives this torch's multinomial tokens and leaves its generator in the same
+    state, on rows as long as GPT-2's vocabulary (a torch could take another path for other sizes)."""
+    probs = torch.zeros(2, 50257)
+    probs[:, ::1257] = torch.rand(2, 40, generator=torch.Generator().manual_seed(0))  # 40 live a row
     probs /= probs.sum(dim=1, keepdim=True)
     theirs, ours = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for _ in range(4):
-        if not torch.equal(torch.multinomial(probs, 1, generator=theirs).squeeze(1), sparse_draw(probs, probs > 0, ours)):
+        expected = torch.multinomial(probs, 1, generator=theirs).squeeze(1)
+        if not torch.equal(sparse_draw(probs, probs > 0, ours), expected):
             return False
     return torch.equal(theirs.get_state(), ours.get_state())
