@@ -116,6 +116,41 @@ def by_order(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("row", ["random", "ties", "inf", "nan", "all -inf"])
+@pytest.mark.parametrize("k", [1, 50, V - 1, V, V + 1])
+def test_top_k_over_gpt2_s_vocabulary_is_transformers(row, k):
+    scores = _gpt2_rows("ties" if row == "ties" else "random", k)
+    if row == "inf":
+        scores[:, 3:60] = float("inf")  # more infinite tokens than k (for k up to 50)
+    elif row == "nan":
+        scores[:, 9] = float("nan")  # counts as the largest
+        scores[1, 100:200] = float("nan")
+    elif row == "all -inf":
+        scores[1] = float("-inf")
+    expected = hf.TopKLogitsWarper(k)(IDS, scores.clone())
+    torch.testing.assert_close(ours.top_k(scores, k), expected, rtol=0, atol=0, equal_nan=True)
+    if row == "random" and k == 50:
+        assert (torch.isfinite(expected).sum(dim=1) == 50).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_top_k_of_other_dtypes_is_transformers(dtype):
+    scores = _gpt2_rows("ties", 1).to(dtype)  # ties at the k-th value
+    expected = hf.TopKLogitsWarper(50)(IDS, scores.clone())
+    assert torch.equal(ours.top_k(scores, 50), expected) and (torch.isfinite(expected).sum(dim=1) > 50).all()
+
+
+def test_top_k_of_float32_logits_on_the_cpu_asks_torch_for_no_topk(monkeypatch):
+    scores = _gpt2_rows("random", 1)
+    expected = hf.TopKLogitsWarper(50)(IDS, scores.clone())
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch's topk was asked for")
+
+    monkeypatch.setattr(torch.Tensor, "topk", refused)
+    assert torch.equal(ours.top_k(scores, 50), expected)
+
+
 @pytest.mark.parametrize("kind", ["random", "top_k"])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.95, 0.999, 1.0])
 def test_top_p_over_gpt2_s_vocabulary_is_transformers_mask_without_its_sort(kind, p, by_order):

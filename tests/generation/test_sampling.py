@@ -1,6 +1,9 @@
 """gpt2attn.generation.sampling.draw: torch.multinomial's tokens and random stream, at GPT-2's
 vocabulary, whether it computes every entry's variate (as multinomial) or the nonzero ones alone."""
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -121,7 +124,10 @@ def test_a_uniform_of_zero_gives_multinomial_s_pick_too():
     every_q = (-torch.log1p(-(words & sampling.LOW_53).double() * 2.0**-53)).float()
     expected = (probs / every_q).argmax(dim=1)
     assert expected[0].item() == dead and probs[1, expected[1]] > 0
-    assert torch.equal(sampling.tokens_of(probs, live, words), expected)
+    with warnings.catch_warnings():  # numpy's divide-by-zero and invalid-value warnings: an error under -W error
+        warnings.simplefilter("error")
+        got = sampling.tokens_of(probs.numpy(), np.flatnonzero(live.numpy()), words.numpy())
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("live_a_row", [1, sampling.MOST_LIVE])
@@ -140,3 +146,33 @@ def test_probabilities_in_double_are_multinomial_s_own(multinomial_calls):
     theirs, ours = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     assert torch.equal(sampling.draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(1))
     assert len(multinomial_calls) == 2  # its variates stay double: no float rounding to share
+
+
+def test_probabilities_that_are_a_view_with_strides_give_multinomial_s_tokens(multinomial_calls):
+    wide = torch.zeros(3, 2 * V)
+    wide[:, 1::2] = _probs("top_k", 3, seed=6)  # every other column: rows of V with a stride of 2
+    probs = wide[:, 1::2]
+    assert not probs.is_contiguous()
+    theirs, ours = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    expected = [torch.multinomial(probs, 1, generator=theirs).squeeze(1) for _ in range(5)]
+    multinomial_calls.clear()
+    assert all(torch.equal(sampling.draw(probs, ours), e) for e in expected)
+    assert torch.equal(theirs.get_state(), ours.get_state()) and multinomial_calls == []
+
+
+def test_variates_rounded_to_float_decide_a_near_tie_as_multinomial_s_do():
+    """Two tokens of equal probability whose uniforms differ by one in 2^53: their variates differ
+    in double and round to the same float, so multinomial's argmax takes the first of the two; with
+    the doubles the first one's larger q would lose."""
+    probs = torch.zeros(1, V)
+    first, second = 1000, 30000
+    probs[0, [first, second]] = 0.5
+    words = torch.randint(1, 1 << 62, probs.shape, generator=torch.Generator().manual_seed(1))
+    base = (1 << 52) + 12345  # u a little above 1/2
+    words[0, first], words[0, second] = base + 1, base
+    every_q = -torch.log1p(-(words & sampling.LOW_53).double() * 2.0**-53)
+    assert every_q[0, first] > every_q[0, second] and every_q[0, first].float() == every_q[0, second].float()
+    expected = (probs / every_q.float()).argmax(dim=1)
+    assert expected.item() == first
+    live = np.flatnonzero(probs.numpy() > 0)
+    assert torch.equal(sampling.tokens_of(probs.numpy(), live, words.numpy()), expected)
