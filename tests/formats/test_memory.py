@@ -15,6 +15,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,6 +90,81 @@ def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeyp
     GPT2LMHeadModel.from_pretrained(source, quantize=mode)
     assert len(steps) == len(matrices) + 1  # and the head
     assert steps[0] > 0 and max(steps) <= bound, (max(steps), bound, steps)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf f32"])
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_a_tied_embedding_s_file_pages_go_once_the_head_has_its_copy(tmp_path, monkeypatch, fmt, mode):
+    """The tied head is packed first, from the embedding; from then on the embedding's pages of the
+    file are not resident (the layers are packed without them, and lookups read their rows back),
+    and the model computes what the same weights quantized in memory compute."""
+    config = tiny_config(vocab_size=4096, n_positions=64, n_embd=128, n_layer=3)  # the embedding: 2 MiB
+    model = randomize(GPT2LMHeadModel(config)).eval()
+    if fmt == "safetensors":
+        model.save_pretrained(tmp_path / "model")
+        source = file = tmp_path / "model" / "model.safetensors"
+    else:
+        source = file = tmp_path / "model.gguf"
+        save(model, file, dtype="f32")
+    sizes = {name: t.numel() * 4 for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    matrices = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    kept = sum(size for name, size in sizes.items() if name.removesuffix(".weight") not in matrices)
+    largest = max(sizes[f"{name}.weight"] for name in matrices)
+    embedding = sizes["transformer.wte.weight"]
+    slack = 2 * len(sizes) * resource.getpagesize()  # a map may start and end inside a page
+    bound = kept - embedding + largest + slack
+    assert bound < embedding / 2  # the embedding's pages cannot pass
+
+    packed = []  # (outputs, the file's resident bytes) after each layer is packed
+    pack = quantize.PackedLinear.__init__
+
+    def packing(self, *args, **kwargs):
+        pack(self, *args, **kwargs)
+        packed.append((self.out_features, resident_bytes_of(file)))
+
+    monkeypatch.setattr(quantize.PackedLinear, "__init__", packing)
+    loaded = GPT2LMHeadModel.from_pretrained(source, quantize=mode)
+    assert packed[0][0] == config.vocab_size and len(packed) == len(matrices) + 1  # the head first
+    assert max(resident for _, resident in packed[1:]) <= bound, packed
+    assert resident_bytes_of(file) <= bound
+    monkeypatch.undo()
+    ids = torch.tensor([[5, 4000, 17, 2048, 5]])
+    assert torch.equal(loaded(ids).logits, model.quantize(mode)(ids).logits)
+
+
+def test_values_written_into_a_mapped_embedding_stay_when_its_pages_go(tmp_path):
+    """The pages are handed back, not dropped: a row written after loading (a private copy of its
+    page) keeps its values through quantize(), which a dropped page would lose to the file's."""
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=4096, n_embd=128))).eval()
+    model.save_pretrained(tmp_path / "model")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+    assert quantize._in_a_file_map(loaded.transformer.wte.weight.data_ptr(), loaded.transformer.wte.weight.data_ptr() + 1)
+    with torch.no_grad():
+        loaded.transformer.wte.weight[7] = 1.5
+        model.transformer.wte.weight[7] = 1.5
+    loaded.quantize("int8")
+    assert (loaded.transformer.wte.weight[7] == 1.5).all()
+    ids = torch.tensor([[7, 9, 7]])
+    assert torch.equal(loaded(ids).logits, model.quantize("int8")(ids).logits)
+
+
+def test_memory_of_no_file_is_not_advised(monkeypatch, tmp_path):
+    """release_file_pages advises a file's pages alone: memory of no file would go to swap."""
+    advised = []
+    monkeypatch.setattr(quantize, "_libc", lambda: SimpleNamespace(madvise=lambda *args: advised.append(args)))
+    in_memory = torch.zeros(1 << 20)
+    quantize.release_file_pages(in_memory)
+    assert advised == []
+    model = GPT2LMHeadModel(tiny_config(vocab_size=4096, n_embd=128))
+    model.save_pretrained(tmp_path / "model")
+    mapped = GPT2LMHeadModel.from_pretrained(tmp_path / "model").transformer.wte.weight
+    quantize.release_file_pages(mapped)
+    (first, length, advice), = advised
+    page = resource.getpagesize()
+    start, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel() * 4
+    assert first.value % page == 0 and start <= first.value and first.value + length.value <= end
+    assert length.value >= end - start - 2 * page and advice.value == quantize.MADV_PAGEOUT
 
 
 def exact_state(config: GPT2Config) -> dict[str, torch.Tensor]:
