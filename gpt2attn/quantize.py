@@ -20,8 +20,8 @@ back) before the next is read, and each packed weight goes after the one before 
 (huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32
 copy of them, and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
 (docs/cpu-decoding.md, Memory). A head tied to the embedding goes first: once its copy is packed, the
-embedding's pages of a mapped file are handed back (release_file_pages), and lookups read back the
-rows they use.
+embedding's pages of a mapped file are unmapped (memory.release_file_pages), and lookups map back
+the rows they use.
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
@@ -63,10 +63,8 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
-import functools
 import math
 import mmap
-import sys
 import warnings
 
 import torch
@@ -77,11 +75,11 @@ from . import cpu
 from . import kernels as cpu_kernels
 from . import q4_k
 from .layers import Conv1D
+from .memory import release_file_pages, release_free_memory
 
 MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DECODE_ROWS = cpu_kernels.TILE_ROWS  # calls with at most this many rows take the matrix-vector kernels
-MADV_PAGEOUT = 21  # Linux's madvise advice (5.4 on): reclaim these pages now, keeping their contents
 
 
 class CpuLinear(nn.Module):
@@ -449,56 +447,6 @@ def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Modul
         release_free_memory()  # and the temporaries' pages, before the next layer's are taken
         if tied and mode != "fp32":  # the head reads its own copy: lookups alone read the embedding
             release_file_pages(wte.weight)
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim): the fp32 weights and
-    the temporaries quantize() frees are otherwise kept by malloc for reuse, and counted in the
-    process's resident memory. A no-op where the C library has no malloc_trim."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-def release_file_pages(t: Tensor) -> None:
-    """Give back the resident pages of t where t lies in a memory map of a file (the checkpoint a
-    model was loaded from, mapped): Linux's madvise(MADV_PAGEOUT), which keeps the contents (a page
-    is read from the file again when used, a page written since it was mapped goes to swap or
-    stays). After quantize() packs a tied head, the fp32 embedding's lookups read a few of its rows
-    a token: the rest need not stay resident beside the packed weights (gpt2-xl's 50257 x 1600
-    rows: 0.3 GiB). Nothing for memory of no file (it would go to swap), a t not contiguous, other
-    systems, or kernels before Linux 5.4 (which refuse the advice)."""
-    page = mmap.PAGESIZE
-    first = -(-t.data_ptr() // page) * page  # t's whole pages only: its neighbours' stay
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    libc = _libc()
-    linux = sys.platform.startswith("linux")
-    if not linux or libc is None or not t.is_contiguous() or end <= first or not _in_a_file_map(first, end):
-        return
-    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), ctypes.c_int(MADV_PAGEOUT))  # advice: unchecked
-
-
-def _in_a_file_map(first: int, end: int) -> bool:
-    """Whether the addresses [first, end) lie in one mapping of a file (in /proc/self/maps, Linux's
-    list of this process's maps, a map with an inode); False where there is no such list."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:  # start-end perms offset device inode [path]
-                fields = line.split()
-                low, high = (int(address, 16) for address in fields[0].split("-"))
-                if low <= first and end <= high:
-                    return fields[4] != "0"
-    except OSError:
-        pass
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None)
-    except (OSError, TypeError):  # Windows: no process-wide C library handle (CDLL(None) is refused)
-        return None
 
 
 def kernels(model: nn.Module) -> dict[str, str]:

@@ -74,6 +74,7 @@ TEST_MAP = {
         "tests/formats/test_fuzz.py", "tests/formats/test_bad_inputs.py", "tests/formats/test_hf.py",
         "tests/formats/test_files.py",
     ],
+    "gpt2attn/memory.py": ["tests/formats/test_memory.py"],
     "gpt2attn/quantize.py": ["tests/kernels/test_quantize.py", "tests/kernels/test_kernels.py",
                              "tests/kernels/test_decode_step.py"],
     "gpt2attn/decode_step.py": ["tests/kernels/test_decode_step.py", "tests/kernels/test_q4.py",  # q4: the Q4_K rows

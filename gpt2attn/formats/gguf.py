@@ -33,6 +33,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config, inner_dim, is_int
 from ..errors import CheckpointError
 from ..files import write_atomic
+from ..memory import release_file_pages
 from ..q4_k import keeps_8_bits, quantize_rows
 from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
 from .state_dict import MAX_DIM_SIZE, mapped_bytes, normalize_keys
@@ -348,7 +349,8 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     """A GGUF file of a GPT2LMHeadModel's state dict, as llama.cpp's converter writes one; dtype
     'f32', 'f16' (default), 'bf16', 'q8_0' or 'q4' (quantize()'s mode: Q4_K blocks, Q8_0 for the
     matrices it keeps in 8 bits) for the 2-D weights. Written atomically, and tensor by tensor: each
-    is converted just before it is written, so no converted copy of the model is held."""
+    is converted just before it is written, so no converted copy of the model is held, and a tensor
+    read from a mapped file is unmapped once written (memory.release_file_pages)."""
     gguf = _gguf()
     path = Path(path)
     kind = "f16" if dtype is None else str(dtype).lower().replace("float32", "f32").replace("float16", "f16")
@@ -414,6 +416,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         writer.write_ti_data_to_file()
         for name in order:  # then the data, each tensor converted just before it is written
             writer.write_tensor_data(stored_data(gguf, name, by_gguf[name], ggml_types[name]))
+            release_file_pages(by_gguf[name])  # a tensor read from a mapped file: its pages, once written
 
     write_atomic(path, write_file)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..config import LIMITS, GPT2Config
 from ..errors import CheckpointError
 from ..files import write_atomic
+from ..memory import release_file_pages
 from .state_dict import DTYPE_NAMES, mapped_bytes, normalize_keys
 
 NAME = "llmc"
@@ -140,7 +141,8 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
     """An llm.c model file of a GPT2LMHeadModel's state dict: fp32 (version 3) or bf16 (version 5;
     dtype=None keeps bf16 weights bf16, anything else is written fp32), wte padded with zero rows
     to a multiple of 128, written atomically and tensor by tensor (each converted just before it
-    is written). A model llm.c cannot run is refused, naming the field.
+    is written, and unmapped once written where it was read from a mapped file:
+    memory.release_file_pages). A model llm.c cannot run is refused, naming the field.
     The tokenizer is not stored (llm.c keeps it in its own file)."""
     path = Path(path)
     state = normalize_keys(state_dict, prefixed=True)
@@ -168,6 +170,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         f.write(header.numpy().tobytes())
         for name, _ in layout(**sizes):
             f.write(stored_data(name, state[name], stored).numpy().data)
+            release_file_pages(state[name])  # a tensor read from a mapped file: its pages, once written
             if name == "transformer.wte.weight":  # padded to Vp rows with zeros
                 f.write(bytes((sizes["Vp"] - V) * C * stored.itemsize))
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, quantize
+from gpt2attn import GPT2Config, GPT2LMHeadModel, memory, quantize
 from gpt2attn.formats import gguf, llmc, save
 from gpt2attn.layers import Conv1D
 from tests.helpers import REPO, randomize, tiny_config
@@ -134,12 +134,12 @@ def test_a_tied_embedding_s_file_pages_go_once_the_head_has_its_copy(tmp_path, m
 
 
 def test_values_written_into_a_mapped_embedding_stay_when_its_pages_go(tmp_path):
-    """The pages are handed back, not dropped: a row written after loading (a private copy of its
-    page) keeps its values through quantize(), which a dropped page would lose to the file's."""
+    """Only pages holding the file's unchanged contents are unmapped: a row written after loading
+    (a private copy of its page) keeps its values through quantize(), which an unmapped copy would
+    lose to the file's."""
     model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=4096, n_embd=128))).eval()
     model.save_pretrained(tmp_path / "model")
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "model")
-    assert quantize._in_a_file_map(loaded.transformer.wte.weight.data_ptr(), loaded.transformer.wte.weight.data_ptr() + 1)
     with torch.no_grad():
         loaded.transformer.wte.weight[7] = 1.5
         model.transformer.wte.weight[7] = 1.5
@@ -149,22 +149,47 @@ def test_values_written_into_a_mapped_embedding_stay_when_its_pages_go(tmp_path)
     assert torch.equal(loaded(ids).logits, model.quantize("int8")(ids).logits)
 
 
-def test_memory_of_no_file_is_not_advised(monkeypatch, tmp_path):
-    """release_file_pages advises a file's pages alone: memory of no file would go to swap."""
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
+def test_only_pages_holding_a_file_s_unchanged_contents_are_unmapped(monkeypatch, tmp_path):
     advised = []
-    monkeypatch.setattr(quantize, "_libc", lambda: SimpleNamespace(madvise=lambda *args: advised.append(args)))
-    in_memory = torch.zeros(1 << 20)
-    quantize.release_file_pages(in_memory)
+    monkeypatch.setattr(memory, "_libc", lambda: SimpleNamespace(madvise=lambda *args: advised.append(args)))
+    in_memory = torch.ones(1 << 20)  # resident pages of no file
+    memory.release_file_pages(in_memory)
     assert advised == []
-    model = GPT2LMHeadModel(tiny_config(vocab_size=4096, n_embd=128))
-    model.save_pretrained(tmp_path / "model")
-    mapped = GPT2LMHeadModel.from_pretrained(tmp_path / "model").transformer.wte.weight
-    quantize.release_file_pages(mapped)
-    (first, length, advice), = advised
+    GPT2LMHeadModel(tiny_config(vocab_size=4096, n_embd=128)).save_pretrained(tmp_path / "model")
+    mapped = GPT2LMHeadModel.from_pretrained(tmp_path / "model").transformer.wte.weight  # (4096, 128): 2 MiB
+    assert torch.isfinite(mapped).all()  # every page read
+    with torch.no_grad():
+        mapped[2048] = 1.0  # a private copy of its page(s)
+    memory.release_file_pages(mapped)
     page = resource.getpagesize()
     start, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel() * 4
-    assert first.value % page == 0 and start <= first.value and first.value + length.value <= end
-    assert length.value >= end - start - 2 * page and advice.value == quantize.MADV_PAGEOUT
+    whole = set(range(-(-start // page), end // page))
+    row = mapped[2048].data_ptr()
+    written = set(range(row // page, (row + 128 * 4 - 1) // page + 1))
+    unmapped = set()
+    for first, length, advice in advised:
+        assert first.value % page == 0 and length.value % page == 0 and advice.value == memory.MADV_DONTNEED
+        unmapped |= set(range(first.value // page, (first.value + length.value) // page))
+    assert len(whole) > 500 and unmapped == whole - written
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("name", ["m-f16.gguf", "m-q8_0.gguf", "m-fp32.bin"])
+def test_writers_unmap_each_tensor_of_a_mapped_model_once_written(tmp_path, name):
+    model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=1024, n_embd=128, n_layer=3))).eval()
+    model.save_pretrained(tmp_path / "model")
+    source = tmp_path / "model" / "model.safetensors"
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+    ids = torch.tensor([[3, 1000, 77]])
+    with torch.no_grad():
+        before = loaded(ids).logits  # every weight read: the file's pages resident
+    n_tensors = len(loaded.state_dict())
+    assert resident_bytes_of(source) > source.stat().st_size / 2
+    save(loaded, tmp_path / name, dtype=name.removesuffix(".gguf").removesuffix(".bin").removeprefix("m-"))
+    assert resident_bytes_of(source) <= 2 * n_tensors * resource.getpagesize()  # a map's first and last pages
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)  # the pages are mapped back from the file
 
 
 def exact_state(config: GPT2Config) -> dict[str, torch.Tensor]:
