@@ -172,6 +172,29 @@ def test_only_pages_holding_a_file_s_unchanged_contents_are_unmapped(monkeypatch
         assert first.value % page == 0 and length.value % page == 0 and advice.value == memory.MADV_DONTNEED
         unmapped |= set(range(first.value // page, (first.value + length.value) // page))
     assert len(whole) > 500 and unmapped == whole - written
+    advised.clear()
+    memory.release_file_pages(mapped.t())  # a view whose bytes are not one run: left alone
+    assert advised == []
+    monkeypatch.setattr(memory, "_libc", lambda: None)  # no C library to ask (Windows): nothing done
+    memory.release_file_pages(mapped)
+
+
+def test_free_heap_pages_go_back_to_the_system():
+    """malloc keeps freed chunks between live ones resident; release_free_memory (malloc_trim)
+    hands their pages back."""
+    if not Path("/proc/self/status").exists() or getattr(memory._libc(), "malloc_trim", None) is None:
+        pytest.skip("needs /proc/self/status and a C library with malloc_trim (glibc)")
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+    chunks = [bytearray(100_000) for _ in range(1000)]  # 100 MB from malloc's heap (below its mmap threshold)
+    del chunks[::2]  # 50 MB freed between chunks that stay: the heap cannot shrink from its top
+    before = resident()
+    memory.release_free_memory()
+    assert before - resident() > 30 * 2**20
+    assert len(chunks) == 500
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
