@@ -414,8 +414,8 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     names = [name for name, module in model.named_modules()
              if isinstance(module, Conv1D) or (name.endswith("lm_head") and isinstance(module, nn.Linear))]
     # A head tied to the embedding first (a stable sort): its copy made, the embedding's pages can
-    # go (release_file_pages) before the layers' are read. The arena then holds the weights in the
-    # order a step reads them from the layers on, the head, which a step reads last, before them.
+    # go (release_file_pages) before the layers' are read. The arena then holds the head, then the
+    # layers in a step's order: a step reads the head last, just before the next step's first layer.
     embedding = None if wte is None else wte.weight
     names.sort(key=lambda name: model.get_submodule(name).weight is not embedding)
     arena = _ARENA.set(WeightArena())
