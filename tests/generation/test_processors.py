@@ -140,17 +140,6 @@ def test_top_k_of_other_dtypes_is_transformers(dtype):
     assert torch.equal(ours.top_k(scores, 50), expected) and (torch.isfinite(expected).sum(dim=1) > 50).all()
 
 
-def test_top_k_of_float32_logits_on_the_cpu_asks_torch_for_no_topk(monkeypatch):
-    scores = _gpt2_rows("random", 1)
-    expected = hf.TopKLogitsWarper(50)(IDS, scores.clone())
-
-    def refused(*args, **kwargs):
-        raise AssertionError("torch's topk was asked for")
-
-    monkeypatch.setattr(torch.Tensor, "topk", refused)
-    assert torch.equal(ours.top_k(scores, 50), expected)
-
-
 @pytest.mark.parametrize("kind", ["random", "top_k"])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.95, 0.999, 1.0])
 def test_top_p_over_gpt2_s_vocabulary_is_transformers_mask_without_its_sort(kind, p, by_order):
@@ -194,15 +183,19 @@ def test_top_p_on_a_mass_exactly_at_1_minus_p_is_transformers():
     assert torch.equal(ours.top_p(scores, 0.5), expected) and torch.isfinite(expected).sum() == 2
 
 
-def test_top_p_of_float32_logits_on_the_cpu_asks_torch_for_no_sort(monkeypatch):
+@pytest.mark.parametrize("warper, theirs, torch_method", [
+    (lambda s: ours.top_k(s, 50), hf.TopKLogitsWarper(50), "topk"),
+    (lambda s: ours.top_p(s, 0.9), hf.TopPLogitsWarper(0.9), "sort"),
+], ids=["top_k", "top_p"])
+def test_float32_logits_on_the_cpu_ask_torch_for_no_topk_or_sort(monkeypatch, warper, theirs, torch_method):
     scores = _gpt2_rows("random", 1)
-    expected = hf.TopPLogitsWarper(0.9)(IDS, scores.clone())
+    expected = theirs(IDS, scores.clone())
 
     def refused(*args, **kwargs):
-        raise AssertionError("torch's sort was asked for")
+        raise AssertionError(f"torch's {torch_method} was asked for")
 
-    monkeypatch.setattr(torch.Tensor, "sort", refused)
-    assert torch.equal(ours.top_p(scores, 0.9), expected)
+    monkeypatch.setattr(torch.Tensor, torch_method, refused)
+    assert torch.equal(warper(scores), expected)
 
 
 def test_top_p_of_float64_logits_is_transformers():
