@@ -25,6 +25,7 @@ from ..errors import CheckpointError, read_json, shorten
 from ..files import replace_folder, write_atomic, write_text_atomic
 from ..generation.config import save_generation_config
 from ..layers import ACTIVATIONS
+from ..memory import release_file_pages
 from ..hub import BIN_INDEX, BIN_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, has_weights
 from .state_dict import MAX_DIMS, MAX_DIM_SIZE, check_state_dict, infer_config, mapped_bytes, read_bin, resolve_dtype
 
@@ -324,7 +325,8 @@ def split_shards(state: dict[str, Tensor], max_bytes: int | None) -> list[dict[s
 
 
 def write_safetensors(path: Path, state: dict[str, Tensor], progress: Callable[[int], None] | None = None) -> None:
-    """The safetensors format: 8-byte header length, JSON header, then the tensors' bytes."""
+    """The safetensors format: 8-byte header length, JSON header, then the tensors' bytes, each
+    tensor read from a mapped file unmapped once written (memory.release_file_pages)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in state.items():
@@ -340,6 +342,7 @@ def write_safetensors(path: Path, state: dict[str, Tensor], progress: Callable[[
         for t in state.values():
             if t.numel():
                 f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                release_file_pages(t)  # a tensor read from a mapped file: its pages, once written
             if progress:
                 progress(t.numel() * t.element_size())
 

@@ -198,7 +198,7 @@ def test_free_heap_pages_go_back_to_the_system():
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
-@pytest.mark.parametrize("name", ["m-f16.gguf", "m-q8_0.gguf", "m-fp32.bin"])
+@pytest.mark.parametrize("name", ["m-f16.gguf", "m-q8_0.gguf", "m-fp32.bin", "m-folder"])
 def test_writers_unmap_each_tensor_of_a_mapped_model_once_written(tmp_path, name):
     model = randomize(GPT2LMHeadModel(tiny_config(vocab_size=1024, n_embd=128, n_layer=3))).eval()
     model.save_pretrained(tmp_path / "model")
@@ -209,7 +209,8 @@ def test_writers_unmap_each_tensor_of_a_mapped_model_once_written(tmp_path, name
         before = loaded(ids).logits  # every weight read: the file's pages resident
     n_tensors = len(loaded.state_dict())
     assert resident_bytes_of(source) > source.stat().st_size / 2
-    save(loaded, tmp_path / name, dtype=name.removesuffix(".gguf").removesuffix(".bin").removeprefix("m-"))
+    dtype = None if name == "m-folder" else name.removesuffix(".gguf").removesuffix(".bin").removeprefix("m-")
+    save(loaded, tmp_path / name, dtype=dtype)  # m-folder: a Hugging Face folder (safetensors)
     assert resident_bytes_of(source) <= 2 * n_tensors * resource.getpagesize()  # a map's first and last pages
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, before)  # the pages are mapped back from the file
