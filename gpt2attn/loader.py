@@ -3,8 +3,11 @@
 A source is a state dict (or a nanoGPT checkpoint dict), a local file or folder, or a hub name
 (gpt2attn/hub.py). formats/ detects the format and reads a config and an HF-keyed state dict; here
 the model is built on the meta device and the checked tensors are assigned into it, so weights are
-materialised once (memory-mapped files stay mapped until a dtype or device change copies them).
-The class is given by the caller (model.py), so this module never imports the models.
+materialised once (memory-mapped files stay mapped until a dtype or device change copies them;
+a reader's read_later tensors are made as they are assigned). With quantize=, the matrices
+quantize() packs are left out, and each is read (or widened, or dequantized) only as it is packed:
+the fp32 model is never whole in memory. The class is given by the caller (model.py), so this
+module never imports the models.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from .config import GPT2Config
 from .errors import CheckpointError, ShapeMismatchError, shorten
 from .formats import detect_format, weights_file
 from .formats.nanogpt import from_nanogpt
-from .formats.state_dict import (BODY_PREFIXES, check_state_dict, infer_config, layer_indices, layer_of, normalize_keys,
-                                 resolve_dtype)
+from .formats.state_dict import (BODY_PREFIXES, check_state_dict, infer_config, layer_indices, layer_of, materialize,
+                                 normalize_keys, resolve_dtype)
 from .generation.config import load_generation_config
 from .hub import resolve
 from .layers import init_weights
+from .memory import release_file_pages
+from .quantize import checked_mode, packed_layers
+from .quantize import quantize as quantize_model
 
 
 def from_pretrained(
@@ -41,6 +47,7 @@ def from_pretrained(
     attn_implementation: str | None = None,
     output_loading_info: bool = False,
     ignore_mismatched_sizes: bool = False,
+    quantize: str | None = None,
     **config_kwargs: Any,
 ):
     """Build `cls` (GPT2Model, GPT2LMHeadModel or a head) with the weights of `src`, in eval mode.
@@ -56,11 +63,18 @@ def from_pretrained(
     "unexpected_keys", "mismatched_keys", "error_msgs"}) returned. ignore_mismatched_sizes=True
     initialises weights of the wrong shape (a head with another number of labels) instead of
     refusing them.
+
+    quantize: a gpt2attn.quantize mode ('fp32', 'fp16', 'bf16', 'int8', 'q4'), applied while
+    loading: the matrices are read one at a time, each packed before the next is read, and what
+    stays fp32 (embeddings, LayerNorms, biases) is loaded in fp32 whatever the checkpoint's dtype.
+    It takes the CPU, and no dtype but float32 (or None, 'auto').
     """
     if torch.get_default_device().type == "meta":
         raise RuntimeError("You are using `from_pretrained` with a meta device context manager: the loaded weights "
                            "would be thrown away. Build the model with cls(config) under the context manager instead")
     dtype = dtype if dtype is not None else torch_dtype
+    if quantize is not None:  # refused before anything is read
+        check_quantize_request(quantize, dtype, device)
     if src is None:
         if state_dict is None:
             raise ValueError("from_pretrained(None) needs state_dict= (and config=): there is nothing to load")
@@ -87,7 +101,8 @@ def from_pretrained(
     # A caller's state dict is copied, so the new model does not share storage with its source.
     copy = isinstance(src, dict)
     lenient = Leniency(missing=output_loading_info, mismatched=ignore_mismatched_sizes)
-    model, info = build_model(cls, config, state, resolve_dtype(dtype, config), device, where, copy, lenient)
+    dtype = torch.float32 if quantize is not None else resolve_dtype(dtype, config)
+    model, info = build_model(cls, config, state, dtype, device, where, copy, lenient, quantize)
     if path is not None and path.is_dir() and hasattr(cls, "generate"):
         load_generation_config(model, path)
     return (model, info) if output_loading_info else model
@@ -100,10 +115,21 @@ class Leniency(NamedTuple):
     mismatched: bool = False  # weights of the wrong shape are initialised
 
 
+def check_quantize_request(mode: str, dtype: Any, device: Any) -> None:
+    """quantize= with the other arguments: a known mode, on the CPU, in fp32."""
+    checked_mode(mode)
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={mode!r} is for the CPU; device={device!r} cannot go with it")
+    if dtype not in (None, "auto") and resolve_dtype(dtype, GPT2Config()) != torch.float32:
+        raise ValueError(f"quantize={mode!r} sets the matrices' precision and keeps the rest in float32; "
+                         f"dtype={dtype!r} cannot go with it (leave it out)")
+
+
 def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device, where: str, copy: bool,
-                lenient: Leniency = Leniency()) -> tuple[nn.Module, dict[str, Any]]:
-    """A `cls` on the meta device, then the checked tensors assigned into it. Returns the model and
-    transformers' loading report (the keys initialised, dropped or of the wrong shape)."""
+                lenient: Leniency = Leniency(), quantize: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """A `cls` on the meta device, then the checked tensors assigned into it (with quantize, the
+    matrices read one by one as quantize() packs them). Returns the model and transformers'
+    loading report (the keys initialised, dropped or of the wrong shape)."""
     check_layers(config, state, where)  # before n_layer blocks are built
     with torch.device("meta"), no_random_init():
         model = cls(config)
@@ -127,10 +153,15 @@ def build_model(cls: type, config: Any, state: dict[str, Tensor], dtype, device,
     if to_init:
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
         init_new_head(model, to_init, config, device, dtype or stored)
+    # with quantize, the matrices stay on the meta device until quantize() reads each to pack it
+    matrices = {f"{name}.weight" for name in packed_layers(model)} if quantize is not None else set()
+    later = {name: state.pop(name) for name in matrices & state.keys()}
     state = {name: cast(t, dtype, device, copy) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if tied:  # by the config, or because the checkpoint has no head of its own
         model.lm_head.weight = model.transformer.wte.weight
+    if quantize is not None:
+        quantize_model(model, quantize, read=lambda name: cast(later.pop(name), dtype, device, copy))
     return model.eval(), info
 
 
@@ -184,9 +215,16 @@ def no_random_init():
 
 
 def cast(t: Tensor, dtype: torch.dtype | None, device: torch.device | None, copy: bool) -> Tensor:
-    """Move to device / dtype in one step (floating tensors only change dtype)."""
+    """Make a read_later tensor, and move to device / dtype in one step (floating tensors only
+    change dtype). A file's tensor copied (a 16-bit one widened, say) gives back its pages of the
+    file's map at once: a map of the whole file (a pytorch_model.bin) would keep them to the end.
+    copy: a caller's own tensor, left as it is."""
+    t = materialize(t)
     target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return t.detach().to(device=device if device is not None else t.device, dtype=target, copy=copy)
+    moved = t.detach().to(device=device if device is not None else t.device, dtype=target, copy=copy)
+    if not copy and moved.data_ptr() != t.data_ptr() and t.device.type == "cpu":
+        release_file_pages(t)
+    return moved
 
 
 def fit_head_keys(

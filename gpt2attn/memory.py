@@ -40,12 +40,15 @@ def release_free_memory() -> None:
 def release_file_pages(t: Tensor) -> None:
     """Unmap the pages of t (its whole pages only) that hold a file's unchanged contents, as
     /proc/self/pagemap marks them: madvise(MADV_DONTNEED) on each run of them. Pages of memory of
-    no file, and pages written since they were mapped, stay. Nothing for a t not contiguous, or
-    where pagemap cannot be read. (A page another thread writes between the read of pagemap and
+    no file, and pages written since they were mapped, stay. t is one run of bytes in any order of
+    its dimensions (a transposed weight too); nothing for a view with gaps between its elements,
+    or where pagemap cannot be read. (A page another thread writes between the read of pagemap and
     the advice would lose that write: nothing here writes a tensor while it is released.)"""
     libc = _libc()
-    if not sys.platform.startswith("linux") or libc is None or not t.is_contiguous():
+    if not sys.platform.startswith("linux") or libc is None or t.numel() == 0:
         return
+    if 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) != t.numel():
+        return  # its first element to its last spans more than its own: other tensors' bytes between
     page = mmap.PAGESIZE
     first = -(-t.data_ptr() // page)  # page numbers: t's first whole page, and the one after its last
     end = (t.data_ptr() + t.numel() * t.element_size()) // page

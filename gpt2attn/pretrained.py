@@ -67,13 +67,13 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def from_pretrained(cls, pretrained_model_name_or_path: Any, dtype: Any = None, device: Any = None,
                         quantize: str | None = None, **kwargs: Any):
         """Load from an HF folder, a hub name, a state dict or an OpenAI TF checkpoint;
-        quantize='fp32', 'fp16', 'bf16', 'int8' or 'q4' then applies gpt2attn.quantize (CPU inference)."""
-        loaded = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, **kwargs)
+        quantize='fp32', 'fp16', 'bf16', 'int8' or 'q4' applies gpt2attn.quantize (CPU inference) as
+        the weights are read, one matrix at a time (see gpt2attn.loader)."""
+        loaded = from_pretrained(cls, pretrained_model_name_or_path, dtype=dtype, device=device, quantize=quantize,
+                                 **kwargs)
         model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # as transformers records it
             model.config.name_or_path = model.name_or_path = str(pretrained_model_name_or_path)
-        if quantize is not None:
-            model.quantize(quantize)
         return (model, info) if info is not None else model
 
     def quantize(self, mode: str = "int8"):

@@ -66,6 +66,7 @@ import ctypes
 import math
 import mmap
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -397,11 +398,25 @@ def _huge_chunk(size: int, page: int) -> memoryview | None:
 _ARENA: contextvars.ContextVar[WeightArena | None] = contextvars.ContextVar("gpt2attn_weight_arena", default=None)
 
 
-def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
-    in place, and return it: see this module's docstring."""
+def checked_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def packed_layers(model: nn.Module) -> list[str]:
+    """The names of the layers quantize() replaces: every Conv1D, and an nn.Linear lm_head."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, Conv1D) or (name.endswith("lm_head") and isinstance(module, nn.Linear))]
+
+
+def quantize(model: nn.Module, mode: str = "int8", read: Callable[[str], Tensor] | None = None) -> nn.Module:
+    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
+    in place, and return it: see this module's docstring.
+
+    read: for a model whose layers' weights are still on the meta device (the loader's, with
+    from_pretrained(quantize=)), the fp32 weight of a state-dict key, called as its layer is packed."""
+    checked_mode(mode)
     param = next(model.parameters())
     if param.device.type != "cpu":
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
@@ -410,9 +425,7 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     n_layer = getattr(getattr(model, "config", None), "n_layer", 0)
-    # names, not modules: a list of the old layers would keep every fp32 weight alive to the end
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, Conv1D) or (name.endswith("lm_head") and isinstance(module, nn.Linear))]
+    names = packed_layers(model)  # names, not modules: a list of the old layers would keep every fp32 weight alive
     # A head tied to the embedding first (a stable sort): its copy made, the embedding's pages can
     # go (release_file_pages) before the layers' are read. The arena then holds the head, then the
     # layers in a step's order: a step reads the head last, just before the next step's first layer.
@@ -420,33 +433,36 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     names.sort(key=lambda name: model.get_submodule(name).weight is not embedding)
     arena = _ARENA.set(WeightArena())
     try:
-        _replace_layers(model, names, mode, wte, n_layer)
+        _replace_layers(model, names, mode, wte, n_layer, read)
     finally:
         _ARENA.reset(arena)
     return model
 
 
-def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Module | None, n_layer: int) -> None:
+def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Module | None, n_layer: int,
+                    read: Callable[[str], Tensor] | None) -> None:
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, child)
         conv = isinstance(module, Conv1D)
         tied = not conv and wte is not None and module.weight is wte.weight
+        weight = module.weight
+        if weight.is_meta and read is not None:  # read now, just before it is packed
+            weight = nn.Parameter(read(f"{name}.weight"), requires_grad=weight.requires_grad)
         if mode == "fp32":
-            layer = Float32Linear(module.weight, module.bias, conv)
-        elif mode == "int8" or (mode == "q4" and q4_k.keeps_8_bits(name, module.weight.shape[0 if conv else 1],
-                                                                   n_layer)):
-            layer = Int8Linear(module.weight, module.bias, conv, tied)
+            layer = Float32Linear(weight, module.bias, conv)
+        elif mode == "int8" or (mode == "q4" and q4_k.keeps_8_bits(name, weight.shape[0 if conv else 1], n_layer)):
+            layer = Int8Linear(weight, module.bias, conv, tied)
         elif mode == "q4":
-            layer = Q4Linear(module.weight, module.bias, conv, tied)
+            layer = Q4Linear(weight, module.bias, conv, tied)
         else:
-            layer = HalfLinear(module.weight, module.bias, HALF[mode], conv, tied)
+            layer = HalfLinear(weight, module.bias, HALF[mode], conv, tied)
         setattr(parent, child, layer.train(module.training))
-        del module  # the fp32 layer's last reference: its weight (and a file's pages under it) go now
+        if mode != "fp32":  # the layer reads its own copy: the pages of a file's map under the old
+            release_file_pages(weight)  # weight go now, even where the map stays (a tied embedding's
+        del module, weight  # lookups; one map of a whole pytorch_model.bin); the weight itself goes here
         release_free_memory()  # and the temporaries' pages, before the next layer's are taken
-        if tied and mode != "fp32":  # the head reads its own copy: lookups alone read the embedding
-            release_file_pages(wte.weight)
 
 
 def kernels(model: nn.Module) -> dict[str, str]:

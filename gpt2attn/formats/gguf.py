@@ -5,9 +5,10 @@ A GGUF file holds key-value metadata (the config under `gpt2.*`, the BPE tokeniz
 one (Q8_0, Q4_0, ..., Q6_K). Names and layouts are llama.cpp's (`blk.{i}.attn_qkv.weight`, ...):
 its four linear weights are stored as Linear's (out, in) and come back here as Conv1D's (in, out).
 The file is parsed here (GGUFFile) and memory-mapped; every tensor is read as float32 (llama.cpp
-computes in F32 too): F32 ones stay views of the file, F16/BF16 are widened, and the quantized
-types are dequantized by the reference code of the `gguf` package (the extra `gpt2attn[gguf]`),
-which also writes (Q4_K, which the package cannot write, by gpt2attn.q4_k: dtype 'q4').
+computes in F32 too): F32 ones stay views of the file; F16/BF16 are widened, and the quantized
+types dequantized by the reference code of the `gguf` package (the extra `gpt2attn[gguf]`), each
+only when the loader uses it (state_dict.read_later). The package also writes (Q4_K, which it
+cannot write, by gpt2attn.q4_k: dtype 'q4').
 
 Written as llama.cpp's convert_hf_to_gguf.py writes a GPT-2: the same keys and tensor names,
 1-D tensors and position embeddings in F32, `output.weight` beside `token_embd.weight`, and the
@@ -18,6 +19,7 @@ and read back as the character tokenizer it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -36,7 +38,7 @@ from ..files import write_atomic
 from ..memory import release_file_pages
 from ..q4_k import keeps_8_bits, quantize_rows
 from ..tokenizer import EOS_TOKEN, _byte_level_alphabet, byte_level_bpe, characters, is_characters
-from .state_dict import MAX_DIM_SIZE, mapped_bytes, normalize_keys
+from .state_dict import MAX_DIM_SIZE, mapped_bytes, normalize_keys, read_later
 
 NAME = "gguf"
 SUFFIXES = (".gguf",)
@@ -223,24 +225,38 @@ class GGUFFile:
             self.buffer[start_a : start_a + length_a] == self.buffer[start_b : start_b + length_b]
 
     def tensor(self, name: str) -> Tensor:
-        """A tensor as float32 in its numpy shape (rows = ne[1]): F32 a view of the mapped file, F16
-        and BF16 widened, quantized types dequantized by the gguf package's reference code."""
-        kind, ne, start, length = self.tensors[name]
-        if kind not in READ_TYPES:
-            raise CheckpointError(self.path, f"tensor {name} has GGML type {kind}, which gpt2attn does not read "
-                                             f"(it reads {', '.join(READ_TYPES)})")
-        shape = tuple(reversed(ne))
-        if kind == "F32":  # a map of its own, so the file's other pages are not kept with it
-            with open(self.path, "rb") as f:
-                return mapped_bytes(f, start, length).view(torch.float32).view(shape)
-        raw = torch.frombuffer(self.buffer, dtype=torch.uint8, count=length, offset=start)
-        if kind == "F16":
-            return raw.view(torch.float16).view(shape).float()
-        if kind == "BF16":
-            return raw.view(torch.bfloat16).view(shape).float()
+        """A tensor as float32 in its numpy shape (rows = ne[1]): see read_tensor."""
+        return read_tensor(self.path, name, self.tensors[name])
+
+
+def check_readable(path: Path, name: str, kind: str) -> None:
+    """Refuse a type gpt2attn does not read, and a quantized one without the gguf package."""
+    if kind not in READ_TYPES:
+        raise CheckpointError(path, f"tensor {name} has GGML type {kind}, which gpt2attn does not read "
+                                    f"(it reads {', '.join(READ_TYPES)})")
+    if kind not in ("F32", "F16", "BF16"):
+        _gguf()
+
+
+def read_tensor(path: Path, name: str, entry: tuple, transpose: bool = False) -> Tensor:
+    """The tensor `entry` (kind, ne, start, length) of the GGUF file at `path` as float32 in its
+    numpy shape (rows = ne[1]; transposed if asked), through a map of its own, so the file's pages
+    leave with it: F32 a view of the file, F16 and BF16 widened, quantized types dequantized by the
+    gguf package's reference code."""
+    kind, ne, start, length = entry
+    check_readable(path, name, kind)
+    shape = tuple(reversed(ne))
+    with open(path, "rb") as f:
+        raw = mapped_bytes(f, start, length)
+    if kind == "F32":
+        data = raw.view(torch.float32).view(shape)
+    elif kind in ("F16", "BF16"):
+        data = raw.view(torch.float16 if kind == "F16" else torch.bfloat16).view(shape).float()
+    else:
         gguf = _gguf()
         blocks = raw.numpy().reshape(*shape[:-1], -1)  # each row's blocks, as gguf's dequantize takes them
-        return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])).view(shape)
+        data = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])).view(shape)
+    return data.t() if transpose else data
 
 
 def read_config(file: GGUFFile) -> GPT2Config:
@@ -289,12 +305,13 @@ def our_name(name: str) -> str | None:
 
 def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
     """The config from the gpt2.* metadata, the HF-keyed state dict in float32 (linear weights back to
-    Conv1D's (in, out); lm_head only when it differs from wte, else tied) and the embedded tokenizer."""
+    Conv1D's (in, out); lm_head only when it differs from wte, else tied; tensors of other types
+    than F32 as read_later placeholders) and the embedded tokenizer."""
     file = GGUFFile(path)
     config = read_config(file)
     tied = "output.weight" not in file.tensors or file.same("output.weight", "token_embd.weight")
     state = {}
-    for name, (_, ne, _, _) in file.tensors.items():
+    for name, (kind, ne, _, _) in file.tensors.items():
         ours = our_name(name)
         if ours is None:
             raise CheckpointError(path, f"tensor {name} is not one of GPT-2's")
@@ -303,8 +320,13 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
             raise CheckpointError(path, f"tensor {name} has {len(ne)} dimensions ({list(ne)}), GPT-2's has {rank}")
         if name == "output.weight" and tied:
             continue  # llama.cpp's converter writes the tied head twice
-        data = file.tensor(name)
-        state[ours] = data.t() if name.endswith(LINEARS) else data
+        check_readable(path, name, kind)
+        # F32 tensors are views of the file, read as used; the others are made in fp32 only when
+        # the loader uses them (read_later), so quantize= never holds every one of them at once
+        transpose = name.endswith(LINEARS)
+        read_it = functools.partial(read_tensor, path, name, file.tensors[name], transpose)
+        shape = tuple(ne) if transpose else tuple(reversed(ne))
+        state[ours] = read_it() if kind == "F32" else read_later(shape, torch.float32, read_it)
     config.tie_word_embeddings = tied
     return config, state, read_tokenizer(file)
 

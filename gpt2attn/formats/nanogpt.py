@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ from torch import Tensor
 
 from ..config import GPT2Config, inner_dim
 from ..errors import CheckpointError
-from .state_dict import check_state_dict, config_from_hparams, infer_config, layer_indices, normalize_keys, read_bin
+from ..memory import release_file_pages
+from .state_dict import (check_state_dict, config_from_hparams, infer_config, layer_indices, normalize_keys, read_bin,
+                         read_later)
 
 NAME = "nanogpt"
 SUFFIXES = (".pt", ".ckpt")
@@ -24,6 +27,14 @@ BIASES = ("ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.bias", "mlp
 
 def detect(path: Path) -> bool:
     return path.is_file() and path.suffix in SUFFIXES
+
+
+def contiguous_transpose(weight: Tensor) -> Tensor:
+    """nn.Linear's (out, in) weight as Conv1D's (in, out), in memory of its own; the source's pages
+    of a file's map (torch.load maps the whole checkpoint) are given back once copied."""
+    copy = weight.t().contiguous()
+    release_file_pages(weight)
+    return copy
 
 
 def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], None]:
@@ -59,7 +70,8 @@ def from_nanogpt(checkpoint: dict[str, Any], where: str) -> tuple[GPT2Config, di
     for name, t in normalize_keys(model, prefixed=True).items():
         if name.endswith(NANOGPT_LINEARS) and t.dim() != 2:
             raise CheckpointError(where, f"'model' {name} has shape {tuple(t.shape)}, not (out, in)")
-        state[name] = t.t().contiguous() if name.endswith(NANOGPT_LINEARS) else t
+        transposed = functools.partial(contiguous_transpose, t)  # made as the loader uses it (read_later)
+        state[name] = read_later(t.shape[::-1], t.dtype, transposed) if name.endswith(NANOGPT_LINEARS) else t
     if not args.get("bias", True):
         # Zero biases are made for the blocks the weights hold, after checking that they hold n_layer
         # blocks of width n_embd: model_args alone must not decide how much memory is filled.

@@ -1,8 +1,9 @@
 """What the formats share: GPT-2 state dicts with Hugging Face's keys, and PyTorch's pickle files.
 
 normalize_keys fits a state dict's names to a model class, infer_config reads a config from its
-shapes, torch_load is torch.load restricted to weights (errors name the file), and mapped_bytes
-memory-maps one tensor of a file.
+shapes, torch_load is torch.load restricted to weights (errors name the file), mapped_bytes
+memory-maps one tensor of a file, and read_later stands for a tensor that is only made (widened,
+dequantized, transposed) when the loader uses it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import mmap
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -126,6 +128,22 @@ def mapped_bytes(f: BinaryIO, start: int, length: int) -> Tensor:
     base = start - start % mmap.ALLOCATIONGRANULARITY  # a map starts on a page
     buffer = mmap.mmap(f.fileno(), start + length - base, access=mmap.ACCESS_COPY, offset=base)
     return torch.frombuffer(buffer, dtype=torch.uint8, count=length, offset=start - base)
+
+
+def read_later(shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[], Tensor]) -> Tensor:
+    """The tensor of `shape` and `dtype` that `read()` makes when `materialize` asks for it: until
+    then a tensor on the meta device carrying `read`, whose shape and dtype the loader checks with the
+    rest. A reader returns these for tensors it would otherwise make in full at once (a GGUF's F16
+    or Q8_0 weights widened to fp32, say), so that from_pretrained(quantize=) makes each matrix
+    only when it is packed, and a plain load one tensor at a time as it assigns them."""
+    placeholder = torch.empty(shape, dtype=dtype, device="meta")
+    placeholder.read_later = read
+    return placeholder
+
+
+def materialize(t: Tensor) -> Tensor:
+    """The tensor a read_later placeholder stands for, made now; any other tensor as it is."""
+    return t.read_later() if t.is_meta and hasattr(t, "read_later") else t
 
 
 def read_bin(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ The peak RSS these give is measured by scripts/bench_memory.py, not here."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata
 import os
@@ -17,12 +18,13 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gpt2attn import GPT2Config, GPT2LMHeadModel, memory, quantize
-from gpt2attn.formats import gguf, llmc, save
+from gpt2attn import GPT2Config, GPT2LMHeadModel, loader, memory, quantize
+from gpt2attn.formats import gguf, hf, llmc, nanogpt, save
 from gpt2attn.layers import Conv1D
 from tests.helpers import REPO, randomize, tiny_config
 
@@ -57,21 +59,43 @@ def resident_bytes_of(path: Path) -> int:
     return total
 
 
+def write_source(model: GPT2LMHeadModel, folder: Path, source: str) -> tuple[Path, Path]:
+    """model written as `source` (a format, and the type its tensors are stored in: f32 unless
+    named) under folder: what from_pretrained takes, and the file of the weights."""
+    fmt, _, kind = source.partition(" ")
+    kind = kind or "f32"
+    if fmt == "gguf":
+        path = folder / "model.gguf"
+        save(model, path, dtype=kind)
+    elif fmt == "llm.c":
+        path = folder / "model.bin"
+        save(model, path, dtype={"f32": "fp32", "bf16": "bf16"}[kind])
+    elif fmt == "nanogpt":  # nn.Linear's (out, in) weights, transposed to Conv1D's when read
+        path = folder / "ckpt.pt"
+        state = {name: t.t().contiguous() if name.endswith(nanogpt.NANOGPT_LINEARS) else t
+                 for name, t in model.state_dict().items() if name != "lm_head.weight"}
+        c = model.config
+        args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions, bias=True,
+                    vocab_size=c.vocab_size, dropout=0.0)
+        torch.save({"model": state, "model_args": args}, path)
+    else:  # an HF folder: "safetensors" or "pytorch_model.bin"
+        stored = copy.deepcopy(model).half() if kind == "f16" else model
+        stored.save_pretrained(folder / "model", safe_serialization=fmt == "safetensors")
+        return folder / "model", folder / "model" / ("model.safetensors" if fmt == "safetensors" else fmt)
+    return path, path
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
-@pytest.mark.parametrize("fmt", ["safetensors", "llm.c", "gguf f32"])
+@pytest.mark.parametrize("source", ["safetensors", "llm.c", "gguf", "pytorch_model.bin"])
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
-def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeypatch, fmt, mode):
+def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeypatch, source, mode):
     """After each layer is packed, the file's resident pages are at most every tensor that stays
-    fp32 (embeddings, norms, biases) and the one matrix being packed: a layer's fp32 pages go
-    before the next is read, so the whole fp32 model is never in memory at once."""
+    fp32 (embeddings, norms, biases) and the one matrix being packed: a layer's pages go before
+    the next is read (also from a pytorch_model.bin, which torch maps as one piece that stays while
+    any of its tensors does), so the whole fp32 model is never in memory at once."""
     config = tiny_config(vocab_size=512, n_positions=64, n_embd=128, n_layer=6)  # the matrices are most of it
     model = randomize(GPT2LMHeadModel(config))
-    if fmt == "safetensors":
-        model.save_pretrained(tmp_path / "model")
-        source = file = tmp_path / "model" / "model.safetensors"
-    else:
-        source = file = tmp_path / ("model.bin" if fmt == "llm.c" else "model.gguf")
-        save(model, file, dtype="fp32" if fmt == "llm.c" else "f32")
+    path, file = write_source(model, tmp_path, source)
     sizes = {name: t.numel() * 4 for name, t in model.state_dict().items() if name != "lm_head.weight"}
     matrices = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
     kept = sum(size for name, size in sizes.items() if name.removesuffix(".weight") not in matrices)
@@ -87,9 +111,94 @@ def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeyp
         steps.append(resident_bytes_of(file))
 
     monkeypatch.setattr(quantize.PackedLinear, "__init__", packing)
-    GPT2LMHeadModel.from_pretrained(source, quantize=mode)
+    GPT2LMHeadModel.from_pretrained(path, quantize=mode)
     assert len(steps) == len(matrices) + 1  # and the head
     assert steps[0] > 0 and max(steps) <= bound, (max(steps), bound, steps)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
+def test_a_file_s_16_bit_tensor_widened_as_it_loads_gives_back_its_pages(tmp_path):
+    """torch maps a pytorch_model.bin as one piece, which stays while any of its tensors does: a
+    tensor the loader widens to fp32 unmaps its 16-bit pages at once. A caller's tensor is left
+    as it is."""
+    def present_pages(t: torch.Tensor) -> int:  # of t's whole pages, those mapped in
+        page = resource.getpagesize()
+        first, end = -(-t.data_ptr() // page), (t.data_ptr() + t.numel() * t.element_size()) // page
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
+        return int(((entries & np.uint64(memory.PRESENT)) != 0).sum())
+
+    randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half().save_pretrained(tmp_path, safe_serialization=False)
+    _, state, _ = hf.read(tmp_path)  # one map of the file, alive while any of these tensors is
+    source, callers = state["transformer.h.0.mlp.c_fc.weight"], state["transformer.h.1.mlp.c_fc.weight"]  # 256 KiB each
+    expected = source.float()  # every page read
+    assert present_pages(source) >= 60 and source.dtype == torch.float16
+    widened = loader.cast(source, torch.float32, None, copy=False)
+    assert torch.equal(widened, expected) and present_pages(source) == 0
+    assert torch.equal(source.float(), expected)  # read back from the file
+    callers.float()
+    loader.cast(callers, torch.float32, None, copy=True)
+    assert present_pages(callers) >= 60
+
+
+MADE_AS_READ = ["gguf f16", "gguf q8_0", "safetensors f16", "pytorch_model.bin f16", "llm.c bf16", "nanogpt"]
+
+
+@pytest.mark.parametrize("source", MADE_AS_READ)
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_loading_with_quantize_makes_each_fp32_matrix_only_as_it_is_packed(tmp_path, monkeypatch, source, mode):
+    """From a file whose matrices become fp32 only when read (16-bit or Q8_0 weights widened,
+    nanoGPT's transposed), from_pretrained(quantize=) makes each just before it is packed and lets
+    it go before the next: when any layer is packed, at most one fp32 matrix is alive. The model
+    computes what the same file loaded in fp32 and then quantized computes."""
+    config = tiny_config(vocab_size=1000, n_positions=64, n_embd=128, n_layer=4)
+    model = randomize(GPT2LMHeadModel(config))
+    path, _ = write_source(model, tmp_path, source)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Conv1D)}
+    shapes |= {shape[::-1] for shape in shapes}  # as Conv1D's (in, out) or Linear's (out, in)
+    assert (config.vocab_size, config.n_embd) not in shapes and (config.n_positions, config.n_embd) not in shapes
+
+    made = []  # the fp32 matrices the loader made, by their storage
+    cast = loader.cast
+
+    def casting(*args, **kwargs):
+        t = cast(*args, **kwargs)
+        if t.dtype == torch.float32 and tuple(t.shape) in shapes:
+            made.append(StorageWeakRef(t.untyped_storage()))
+        return t
+
+    alive = []  # fp32 matrices alive as each layer is packed
+    pack = quantize.PackedLinear.__init__
+
+    def packing(self, *args, **kwargs):
+        pack(self, *args, **kwargs)
+        alive.append(sum(not ref.expired() for ref in made))
+
+    monkeypatch.setattr(loader, "cast", casting)
+    monkeypatch.setattr(quantize.PackedLinear, "__init__", packing)
+    loaded = GPT2LMHeadModel.from_pretrained(path, quantize=mode)
+    monkeypatch.undo()
+    assert len(made) == 4 * config.n_layer and len(alive) == 4 * config.n_layer + 1  # and the tied head
+    assert max(alive) == 1, alive
+    ids = torch.tensor([[5, 999, 17, 512, 5]])
+    expected = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).quantize(mode)
+    assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+def test_loading_with_quantize_refuses_what_cannot_go_with_it_before_reading(tmp_path):
+    missing = tmp_path / "no such folder"
+    with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
+        GPT2LMHeadModel.from_pretrained(missing, quantize="int4")
+    with pytest.raises(ValueError, match=r"quantize='int8' sets the matrices' precision .* dtype=torch.bfloat16 "):
+        GPT2LMHeadModel.from_pretrained(missing, quantize="int8", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantize='bf16' is for the CPU; device='meta'"):
+        GPT2LMHeadModel.from_pretrained(missing, quantize="bf16", device="meta")
+    model = randomize(GPT2LMHeadModel(tiny_config()))
+    model.save_pretrained(tmp_path / "model")
+    for dtype in (None, "auto", "float32", torch.float32):  # what keeps fp32 is welcome
+        loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "model", quantize="int8", dtype=dtype, device="cpu")
+        assert loaded.transformer.wte.weight.dtype == torch.float32
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
@@ -172,8 +281,13 @@ def test_only_pages_holding_a_file_s_unchanged_contents_are_unmapped(monkeypatch
         assert first.value % page == 0 and length.value % page == 0 and advice.value == memory.MADV_DONTNEED
         unmapped |= set(range(first.value // page, (first.value + length.value) // page))
     assert len(whole) > 500 and unmapped == whole - written
+    first = [tuple(arg.value for arg in args) for args in advised]
     advised.clear()
-    memory.release_file_pages(mapped.t())  # a view whose bytes are not one run: left alone
+    memory.release_file_pages(mapped.t())  # the same bytes in another order: the same pages
+    assert [tuple(arg.value for arg in args) for args in advised] == first
+    advised.clear()
+    memory.release_file_pages(mapped[::2])  # every other row: the rows between are not its own
+    memory.release_file_pages(mapped[:, :64])  # half of each row
     assert advised == []
     monkeypatch.setattr(memory, "_libc", lambda: None)  # no C library to ask (Windows): nothing done
     memory.release_file_pages(mapped)
