@@ -2,7 +2,8 @@
 files, and llama.cpp running those files; gpt2-medium, -large and -xl shapes, random weights.
 
     python scripts/bench.py memory [--sizes gpt2-medium,gpt2-large,gpt2-xl] [--modes fp32,bf16,int8]
-                                   [--gguf f16,q8_0] [--llama-cpp PATH/TO/llama-bench] [--tokens 8]
+                                   [--gguf f16,q8_0] [--from-gguf f16:fp16,q8_0:int8]
+                                   [--llama-cpp PATH/TO/llama-bench] [--tokens 8]
 
 Each size's random model is written once to a temporary folder (safetensors, with a synthetic
 byte-level tokenizer so that llama.cpp can load the GGUF files), by a child process that then
@@ -13,6 +14,9 @@ memory (the kernel's high-water mark, VmHWM) and what it holds at the end (VmRSS
     refuses is reported as such);
   - `gpt2attn convert folder model-KIND.gguf --dtype KIND` for each of --gguf (f32 too when
     llama.cpp runs, for its f32 row);
+  - `GPT2LMHeadModel.from_pretrained(model-KIND.gguf, quantize=MODE)` and the same generation, for
+    each KIND:MODE of --from-gguf whose KIND was written (the file's tensors widened or
+    dequantized to fp32 one matrix at a time as they are packed);
   - with --llama-cpp: llama.cpp's llama-bench (a 16-token prompt and --tokens new ones, one
     repetition) on each GGUF file, its peak read by a wrapper process (getrusage of its child).
 The ratios are each case's peak over the fp32 load's peak of the same size. Memory-mapped file
@@ -95,6 +99,8 @@ def main(argv: list[str]) -> dict[str, list[dict]]:
     parser.add_argument("--modes", default="fp32,bf16,int8", help="comma-separated quantize modes; fp32 first "
                         "(the ratios' reference)")
     parser.add_argument("--gguf", default="f16,q8_0", help="comma-separated GGUF types to write")
+    parser.add_argument("--from-gguf", default="f16:fp16,q8_0:int8",
+                        help="comma-separated KIND:MODE: load the KIND GGUF written with quantize=MODE")
     parser.add_argument("--llama-cpp", help="path of llama.cpp's llama-bench binary: run it on the GGUF files")
     parser.add_argument("--tokens", type=int, default=8, help="new tokens generated")
     parser.add_argument("--threads", type=int, default=2)
@@ -135,6 +141,10 @@ def main(argv: list[str]) -> dict[str, list[dict]]:
             for kind in kinds:
                 files[kind] = Path(tmp) / f"{size}-{kind}.gguf"
                 add(f"gpt2attn convert to a {kind} GGUF", child(CONVERT, folder, files[kind], kind))
+            for kind, mode in (pair.split(":") for pair in args.from_gguf.split(",") if pair):
+                if kind in files:
+                    add(f"gpt2attn from_pretrained({kind} GGUF, quantize={mode!r}) + generate {args.tokens}",
+                        child(GENERATE, files[kind], mode, args.tokens))
             if args.llama_cpp:
                 for kind, path in files.items():
                     cmd = [args.llama_cpp, "-m", path, "-p", "16", "-n", str(args.tokens), "-r", "1",
