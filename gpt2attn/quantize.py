@@ -18,7 +18,8 @@ mlp.c_proj) and the `lm_head` by a `CpuLinear` under the same name, holding its 
 The layers are replaced one at a time, each fp32 Conv1D let go (and malloc's freed pages handed
 back) before the next is read, and each packed weight goes after the one before in a WeightArena
 (huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32
-copy of them, and a model loaded from a memory-mapped file never has all its fp32 matrices in memory at once
+copy of them. from_pretrained(src, quantize=mode) leaves the matrices unread until each is packed
+(the `read` argument), so whatever the file, its fp32 matrices are never all in memory at once
 (docs/cpu-decoding.md, Memory). A head tied to the embedding goes first: once its copy is packed, the
 embedding's pages of a mapped file are unmapped (memory.release_file_pages), and lookups map back
 the rows they use.

@@ -5,7 +5,8 @@ A TF "tensor bundle" is two kinds of files:
   whose values are BundleEntryProto messages (dtype, shape, shard, offset, size, crc32c);
   the empty key holds a BundleHeaderProto (number of shards, endianness).
 - `model.ckpt.data-0000k-of-0000n`: the raw little-endian tensor bytes, read here with numpy
-  through a memory map; each tensor's masked crc32c is checked.
+  through a memory map; each tensor's masked crc32c is checked (and the pages the check read
+  unmapped again: gpt2attn.memory.release_file_pages).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..config import GPT2Config
 from ..errors import CheckpointError, read_json_file
+from ..memory import release_file_pages
 from .state_dict import config_from_hparams
 
 TABLE_MAGIC = 0xDB4775248B80FB57
@@ -251,8 +253,10 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(shard_path, f"truncated: tensor {name} ends at byte {offset + size}, "
                                               f"the file has {len(data)}")
         raw = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
-        if crc is not None and masked_crc32c(raw) != crc:
-            raise CheckpointError(shard_path, f"corrupt: tensor {name} fails its crc32c check")
+        if crc is not None:
+            if masked_crc32c(raw) != crc:
+                raise CheckpointError(shard_path, f"corrupt: tensor {name} fails its crc32c check")
+            release_file_pages(torch.from_numpy(raw))  # the check read every page; each is mapped back when used
         tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
     return tensors
 

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gpt2attn import GPT2Config, GPT2LMHeadModel, loader, memory, quantize
 from gpt2attn.formats import gguf, hf, llmc, nanogpt, save
+from gpt2attn.formats.tf_checkpoint import load_tf_checkpoint
 from gpt2attn.layers import Conv1D
 from tests.helpers import REPO, randomize, tiny_config
 
@@ -116,19 +117,25 @@ def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeyp
     assert steps[0] > 0 and max(steps) <= bound, (max(steps), bound, steps)
 
 
+def whole_pages(t: torch.Tensor) -> range:
+    page = resource.getpagesize()
+    return range(-(-t.data_ptr() // page), (t.data_ptr() + t.numel() * t.element_size()) // page)
+
+
+def present_pages(t: torch.Tensor) -> int:
+    """Of t's whole pages, how many are mapped in (/proc/self/pagemap)."""
+    pages = whole_pages(t)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(pages.start * 8)
+        entries = np.frombuffer(f.read(len(pages) * 8), dtype=np.uint64)
+    return int(((entries & np.uint64(memory.PRESENT)) != 0).sum())
+
+
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
 def test_a_file_s_16_bit_tensor_widened_as_it_loads_gives_back_its_pages(tmp_path):
     """torch maps a pytorch_model.bin as one piece, which stays while any of its tensors does: a
     tensor the loader widens to fp32 unmaps its 16-bit pages at once. A caller's tensor is left
     as it is."""
-    def present_pages(t: torch.Tensor) -> int:  # of t's whole pages, those mapped in
-        page = resource.getpagesize()
-        first, end = -(-t.data_ptr() // page), (t.data_ptr() + t.numel() * t.element_size()) // page
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            entries = np.frombuffer(f.read((end - first) * 8), dtype=np.uint64)
-        return int(((entries & np.uint64(memory.PRESENT)) != 0).sum())
-
     randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half().save_pretrained(tmp_path, safe_serialization=False)
     _, state, _ = hf.read(tmp_path)  # one map of the file, alive while any of these tensors is
     source, callers = state["transformer.h.0.mlp.c_fc.weight"], state["transformer.h.1.mlp.c_fc.weight"]  # 256 KiB each
@@ -432,3 +439,24 @@ def test_a_writer_killed_mid_file_leaves_the_old_file(tmp_path, name):
     write_exact(path)  # the next write replaces the file and removes the killed one's leftover
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "new"])
     assert path.read_bytes() == (tmp_path / "new" / name).read_bytes()
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
+def test_an_openai_checkpoint_s_pages_read_by_its_checksums_are_given_back(monkeypatch):
+    """Each tensor's crc32c reads all of its pages; once checked, they are unmapped (the map
+    stays, and a page is read again when used), so reading the checkpoint does not hold it."""
+    advised = []
+    libc = memory._libc()
+    monkeypatch.setattr(memory, "_libc", lambda: SimpleNamespace(madvise=lambda *args: advised.append(args)))
+    config, state = load_tf_checkpoint(REPO / "tests" / "data" / "openai-tf-tiny")
+    page = resource.getpagesize()
+    unmapped = set()
+    for first, length, advice in advised:
+        assert advice.value == memory.MADV_DONTNEED
+        unmapped |= set(range(first.value // page, (first.value + length.value) // page))
+    read = set().union(*(whole_pages(t) for t in state.values()))
+    assert len(read) >= 8 and unmapped == read
+    for first, length, advice in advised:  # given back for real, the values are read again from the file
+        libc.madvise(first, length, advice)
+    model = GPT2LMHeadModel.from_pretrained(REPO / "tests" / "data" / "openai-tf-tiny")
+    assert torch.equal(model.transformer.wte.weight, state["transformer.wte.weight"])
