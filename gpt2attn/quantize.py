@@ -460,9 +460,11 @@ def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Modul
         else:
             layer = HalfLinear(weight, module.bias, HALF[mode], conv, tied)
         setattr(parent, child, layer.train(module.training))
-        if mode != "fp32":  # the layer reads its own copy: the pages of a file's map under the old
-            release_file_pages(weight)  # weight go now, even where the map stays (a tied embedding's
-        del module, weight  # lookups; one map of a whole pytorch_model.bin); the weight itself goes here
+        # The layer reads its own copy: the old weight's pages of a file's map go now, also where
+        # the map stays (a tied embedding, which lookups still read; one map of a pytorch_model.bin)
+        if mode != "fp32":
+            release_file_pages(weight)
+        del module, weight  # the fp32 weight's last references: it goes now
         release_free_memory()  # and the temporaries' pages, before the next layer's are taken
 
 
