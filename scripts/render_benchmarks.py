@@ -68,7 +68,8 @@ ABOUT = {
               "alternating, both final models scored by `scripts/eval_char_model.py`.",
     "memory": "Peak resident memory (the kernel's high-water mark) of one fresh process at a time, at gpt2-medium, "
               "-large and -xl shapes with random weights: `from_pretrained(folder, quantize=mode)` and generating a "
-              "few tokens, `gpt2attn convert` writing GGUF files, and llama.cpp's `llama-bench` on the same files "
+              "few tokens, `gpt2attn convert` writing GGUF files, `from_pretrained` of the f16 and q8_0 files with "
+              "`quantize=`, and llama.cpp's `llama-bench` on the same files "
               "(`--llama-cpp PATH`); each peak is also given over the fp32 load's (see [Fast CPU decoding]"
               "(cpu-decoding.md#memory)).",
     "explore": "Building `gpt2attn explore`'s page at gpt2-small shapes (forward, 144 ablations, packing) and "
