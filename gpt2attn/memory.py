@@ -45,7 +45,7 @@ def release_file_pages(t: Tensor) -> None:
     or where pagemap cannot be read. (A page another thread writes between the read of pagemap and
     the advice would lose that write: nothing here writes a tensor while it is released.)"""
     libc = _libc()
-    if not sys.platform.startswith("linux") or libc is None or t.numel() == 0:
+    if not sys.platform.startswith("linux") or libc is None:
         return
     if 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) != t.numel():
         return  # its first element to its last spans more than its own: other tensors' bytes between
