@@ -734,6 +734,11 @@ class Worker:
         if self.alive():
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:  # bytes a dead worker never read: gone with it
+            pass
+        self.proc.stdout.close()
 
 
 def run_cases(cases: list[dict], wall_limit: float = 10.0, progress=None) -> list[dict]:
@@ -743,6 +748,8 @@ def run_cases(cases: list[dict], wall_limit: float = 10.0, progress=None) -> lis
     try:
         for case in cases:
             if worker is None or not worker.alive():
+                if worker is not None:
+                    worker.close()  # a crashed one: its pipes
                 worker = Worker()
             result = {**case, **worker.run(case, wall_limit)}
             results.append(result)
