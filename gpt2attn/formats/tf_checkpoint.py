@@ -256,7 +256,8 @@ def read_bundle(prefix: Path) -> dict[str, np.ndarray]:
         if crc is not None:
             if masked_crc32c(raw) != crc:
                 raise CheckpointError(shard_path, f"corrupt: tensor {name} fails its crc32c check")
-            release_file_pages(torch.from_numpy(raw))  # the check read every page; each is mapped back when used
+            if size:  # the check read every page; each is mapped back when used
+                release_file_pages(torch.from_numpy(raw))
         tensors[name] = raw.view(TF_DTYPES[dtype_code]).reshape(shape)
     return tensors
 

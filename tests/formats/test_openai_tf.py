@@ -7,6 +7,7 @@ TF-written checkpoint with random weights and expected.npz from OpenAI's own mod
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from gpt2attn import GPT2LMHeadModel, GPT2Model
-from gpt2attn.formats.tf_checkpoint import crc32c, gpt2_name, read_bundle
+from gpt2attn.formats.tf_checkpoint import crc32c, gpt2_name, masked_crc32c, parse_proto, read_bundle, read_sstable
+from tests import fuzzing
 from tests.helpers import DATA
 
 TF_TINY = DATA / "openai-tf-tiny"
@@ -136,3 +138,20 @@ def test_tf_checkpoint_converts_to_a_folder_transformers_opens(tmp_path, expecte
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     logits = hf(torch.from_numpy(expected["tokens"]).long()).logits
     np.testing.assert_allclose(logits.numpy(), expected["logits"], atol=1e-5, rtol=0)
+
+
+def test_an_empty_data_shard_of_empty_tensors_reads_under_warnings_as_errors(tmp_path):
+    """An empty shard is no map (its bytes are b"", read-only): its tensors' pages are not given
+    back, since there are none, and nothing warns (a read-only array handed to torch would)."""
+    folder = copy_fixture(tmp_path)
+    index = folder / "model.ckpt.index"
+    entries = read_sstable(index)
+    fields = parse_proto(entries[b"model/ln_f/g"])
+    fields[2] = [fuzzing.encode_proto({2: [fuzzing.encode_proto({1: [0]})]})]  # shape [0]
+    fields[4], fields[5], fields[6] = [0], [0], [masked_crc32c(b"")]  # offset, size, crc32c
+    fuzzing.write_sstable(index, {b"": entries[b""], b"model/ln_f/g": fuzzing.encode_proto(fields)})
+    (folder / "model.ckpt.data-00000-of-00001").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensors = read_bundle(folder / "model.ckpt")
+    assert list(tensors) == ["model/ln_f/g"] and tensors["model/ln_f/g"].shape == (0,)
