@@ -136,9 +136,11 @@ def test_a_file_s_16_bit_tensor_widened_as_it_loads_gives_back_its_pages(tmp_pat
     """torch maps a pytorch_model.bin as one piece, which stays while any of its tensors does: a
     tensor the loader widens to fp32 unmaps its 16-bit pages at once. A caller's tensor is left
     as it is."""
-    randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half().save_pretrained(tmp_path, safe_serialization=False)
+    model = randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half()
+    model.save_pretrained(tmp_path, safe_serialization=False)
     _, state, _ = hf.read(tmp_path)  # one map of the file, alive while any of these tensors is
-    source, callers = state["transformer.h.0.mlp.c_fc.weight"], state["transformer.h.1.mlp.c_fc.weight"]  # 256 KiB each
+    source = state["transformer.h.0.mlp.c_fc.weight"]  # (256, 1024) fp16: 512 KiB
+    callers = state["transformer.h.1.mlp.c_fc.weight"]
     expected = source.float()  # every page read
     assert present_pages(source) >= 60 and source.dtype == torch.float16
     widened = loader.cast(source, torch.float32, None, copy=False)
