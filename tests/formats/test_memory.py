@@ -87,13 +87,14 @@ def write_source(model: GPT2LMHeadModel, folder: Path, source: str) -> tuple[Pat
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the maps' resident pages from /proc/self/smaps (Linux)")
-@pytest.mark.parametrize("source", ["safetensors", "llm.c", "gguf", "pytorch_model.bin"])
+@pytest.mark.parametrize("source", ["safetensors", "llm.c", "gguf", "pytorch_model.bin", "nanogpt"])
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_loading_with_quantize_holds_one_fp32_matrix_at_a_time(tmp_path, monkeypatch, source, mode):
     """After each layer is packed, the file's resident pages are at most every tensor that stays
     fp32 (embeddings, norms, biases) and the one matrix being packed: a layer's pages go before
-    the next is read (also from a pytorch_model.bin, which torch maps as one piece that stays while
-    any of its tensors does), so the whole fp32 model is never in memory at once."""
+    the next is read (also from a pytorch_model.bin or a nanoGPT checkpoint, which torch maps as
+    one piece that stays while any of its tensors does), so the whole fp32 model is never in memory
+    at once."""
     config = tiny_config(vocab_size=512, n_positions=64, n_embd=128, n_layer=6)  # the matrices are most of it
     model = randomize(GPT2LMHeadModel(config))
     path, file = write_source(model, tmp_path, source)
