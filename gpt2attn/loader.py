@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from copy import deepcopy
 from typing import Any, NamedTuple
 
 import torch
@@ -75,6 +76,8 @@ def from_pretrained(
     dtype = dtype if dtype is not None else torch_dtype
     if quantize is not None:  # refused before anything is read
         check_quantize_request(quantize, dtype, device)
+    if config is not None:  # the model gets its own, as in transformers: the caller's is left as it was
+        config = deepcopy(config)
     if src is None:
         if state_dict is None:
             raise ValueError("from_pretrained(None) needs state_dict= (and config=): there is nothing to load")
@@ -103,6 +106,7 @@ def from_pretrained(
     lenient = Leniency(missing=output_loading_info, mismatched=ignore_mismatched_sizes)
     dtype = torch.float32 if quantize is not None else resolve_dtype(dtype, config)
     model, info = build_model(cls, config, state, dtype, device, where, copy, lenient, quantize)
+    model.config.dtype = model.dtype  # as transformers records it: what 'auto' loads (and save_pretrained writes)
     if path is not None and path.is_dir() and hasattr(cls, "generate"):
         load_generation_config(model, path)
     return (model, info) if output_loading_info else model

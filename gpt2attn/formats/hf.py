@@ -218,7 +218,7 @@ def write(path: Path, state_dict: dict[str, Tensor], config: GPT2Config, *, dtyp
         state.pop("lm_head.weight", None)
     config_dict = config.to_dict()
     config_dict["architectures"] = ["GPT2LMHeadModel"]
-    config_dict["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    record_dtype(config_dict, state)
     with replace_folder(path, keep=lambda name: not MODEL_FILE.fullmatch(name)) as folder:
         write_safetensors(folder / SAFE_WEIGHTS, state)
         write_json(folder / CONFIG_NAME, config_dict)
@@ -277,10 +277,19 @@ def write_model(
         write_json(folder / (SAFE_INDEX if safe_serialization else BIN_INDEX), index)
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    record_dtype(config, state)
     write_json(folder / CONFIG_NAME, config)
     if hasattr(model, "generate"):
         save_generation_config(model, folder)
+
+
+def record_dtype(config: dict[str, Any], state: dict[str, Tensor]) -> None:
+    """config.json's dtype: the written weights' (their first floating tensor's), under both names,
+    transformers 5's `dtype` (which it reads first) and 4's `torch_dtype`, so that 'auto' loads
+    what was written whatever dtype the model was loaded with."""
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
 
 
 def tensors_to_save(model, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:

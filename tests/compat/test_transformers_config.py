@@ -7,6 +7,7 @@ missing before (transformers' own test file, ../shared/hf-tests, found them).
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -97,6 +98,48 @@ def test_from_pretrained_takes_attn_implementation(tmp_path):
 def test_from_config_records_the_backend_and_dtype():
     model = GPT2LMHeadModel._from_config(tiny_config(), attn_implementation="eager", dtype=torch.bfloat16)
     assert model.config._attn_implementation == "eager" and model.dtype == torch.bfloat16
+
+
+def saved_dtypes(folder) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    return {key: config[key] for key in ("dtype", "torch_dtype") if key in config}
+
+
+def test_a_model_loaded_in_another_dtype_is_saved_as_what_it_is(tmp_path):
+    """An fp16 folder loaded in fp32 (or as an int8 model) and saved: config.json says float32, as
+    transformers writes it, so that transformers' default ('auto') loads the fp32 weights in fp32,
+    not in the fp16 the first folder recorded. A model cast after loading is saved as its new dtype."""
+    randomize(GPT2LMHeadModel(tiny_config())).to(torch.float16).save_pretrained(tmp_path / "fp16")
+    for name, cls in [("ours", GPT2LMHeadModel), ("theirs", transformers.GPT2LMHeadModel)]:
+        model = cls.from_pretrained(tmp_path / "fp16", dtype=torch.float32)
+        assert model.config.dtype == torch.float32, name
+        model.save_pretrained(tmp_path / name)
+        assert saved_dtypes(tmp_path / name).get("dtype") == "float32", name
+        assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / name).dtype == torch.float32, name
+        assert GPT2LMHeadModel.from_pretrained(tmp_path / name, dtype="auto").dtype == torch.float32, name
+        model.to(torch.bfloat16).save_pretrained(tmp_path / f"{name}-bf16")
+        assert saved_dtypes(tmp_path / f"{name}-bf16").get("dtype") == "bfloat16", name
+    assert saved_dtypes(tmp_path / "ours") == {"dtype": "float32", "torch_dtype": "float32"}  # 4.x reads the second
+    quantized = GPT2LMHeadModel.from_pretrained(tmp_path / "fp16", quantize="int8")
+    assert quantized.config.dtype == torch.float32
+    quantized.save_pretrained(tmp_path / "int8")
+    assert saved_dtypes(tmp_path / "int8") == {"dtype": "float32", "torch_dtype": "float32"}
+    assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "int8").dtype == torch.float32
+
+
+def test_from_pretrained_leaves_the_callers_config_as_it_was(tmp_path):
+    """transformers loads into a copy of config=: two models loaded with one config, one of them
+    eager, each keep their own backend and dtype, and the caller's config object is unchanged."""
+    GPT2LMHeadModel(tiny_config()).to(torch.float16).save_pretrained(tmp_path)
+    for cls in (GPT2LMHeadModel, transformers.GPT2LMHeadModel):
+        config = hf_config()
+        before = (config.to_dict(), config._attn_implementation, config.name_or_path)
+        eager = cls.from_pretrained(tmp_path, config=config, attn_implementation="eager")
+        wide = cls.from_pretrained(tmp_path, config=config, dtype=torch.float32)
+        assert (config.to_dict(), config._attn_implementation, config.name_or_path) == before, cls
+        assert eager.config is not config and wide.config is not eager.config, cls
+        assert (eager.config._attn_implementation, eager.config.dtype) == ("eager", torch.float16), cls
+        assert (wide.config._attn_implementation, wide.config.dtype) == ("sdpa", torch.float32), cls
 
 
 @pytest.mark.parametrize("num_beams", [1, 2])

@@ -362,11 +362,13 @@ def test_write_puts_a_gpt2lmheadmodel_folder_in_the_requested_dtype(tmp_path):
     config_text = (folder / "config.json").read_text()
     config = json.loads(config_text)
     assert config_text == pretty_json(config)
-    assert config["architectures"] == ["GPT2LMHeadModel"] and config["torch_dtype"] == "float16"
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["torch_dtype"] == config["dtype"] == "float16"
     assert config["n_embd"] == 32 and config["model_type"] == "gpt2"
 
     hf.write(folder, model.state_dict(), model.config)  # no dtype: as stored
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float32"
+    hf.write(folder, model.state_dict(), tiny_config(dtype="float16"))  # what is written, whatever the config says
+    assert {json.loads((folder / "config.json").read_text())[key] for key in ("dtype", "torch_dtype")} == {"float32"}
     assert load_file(folder / "model.safetensors")["transformer.wte.weight"].dtype == torch.float32
 
 
