@@ -20,7 +20,8 @@ back) before the next is read, and each packed weight goes after the one before 
 (huge pages, in the order a step reads them): the model then holds `mode`'s weights and no fp32
 copy of them. from_pretrained(src, quantize=mode) leaves the matrices unread until each is packed
 (the `read` argument), so whatever the file, its fp32 matrices are never all in memory at once
-(docs/cpu-decoding.md, Memory). A head tied to the embedding goes first: once its copy is packed, the
+(docs/cpu-decoding.md, Memory). A model already in fp16 or bf16 is widened the same way: what
+stays becomes fp32, and each matrix is widened only as it is packed. A head tied to the embedding goes first: once its copy is packed, the
 embedding's pages of a mapped file are unmapped (memory.release_file_pages), and lookups map back
 the rows they use.
 
@@ -81,6 +82,7 @@ from .memory import release_file_pages, release_free_memory
 
 MODES = ("fp32", "fp16", "bf16", "int8", "q4")
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a model quantize() takes may hold
 DECODE_ROWS = cpu_kernels.TILE_ROWS  # calls with at most this many rows take the matrix-vector kernels
 
 
@@ -415,18 +417,25 @@ def quantize(model: nn.Module, mode: str = "int8", read: Callable[[str], Tensor]
     """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
     in place, and return it: see this module's docstring.
 
+    A model in fp16 or bf16 (as `from_pretrained` gives a 16-bit checkpoint by default) is widened
+    as it goes: what stays (embeddings, LayerNorms, biases) becomes fp32 first, and each matrix is
+    widened only as its layer is packed, so no fp32 copy of the whole model is ever made.
+
     read: for a model whose layers' weights are still on the meta device (the loader's, with
     from_pretrained(quantize=)), the fp32 weight of a state-dict key, called as its layer is packed."""
     checked_mode(mode)
     param = next(model.parameters())
     if param.device.type != "cpu":
         raise ValueError(f"quantize({mode!r}) is for models on the CPU; this one is on {param.device}")
-    if param.dtype != torch.float32:
-        raise ValueError(f"quantize({mode!r}) needs an fp32 model, this one is {param.dtype}")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta}
+    if not dtypes <= set(MODEL_DTYPES):
+        other = sorted(str(d) for d in dtypes - set(MODEL_DTYPES))
+        raise ValueError(f"quantize({mode!r}) takes an fp32, fp16 or bf16 model; this one has {', '.join(other)} weights")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     n_layer = getattr(getattr(model, "config", None), "n_layer", 0)
     names = packed_layers(model)  # names, not modules: a list of the old layers would keep every fp32 weight alive
+    _widen_the_rest(model, names, wte)
     # A head tied to the embedding first (a stable sort): its copy made, the embedding's pages can
     # go (release_file_pages) before the layers' are read. The arena then holds the head, then the
     # layers in a step's order: a step reads the head last, just before the next step's first layer.
@@ -440,6 +449,15 @@ def quantize(model: nn.Module, mode: str = "int8", read: Callable[[str], Tensor]
     return model
 
 
+def _widen_the_rest(model: nn.Module, names: list[str], wte: nn.Module | None) -> None:
+    """A 16-bit model's parameters that no layer packs (and a tied embedding, which lookups read)
+    made fp32 in place, the same Parameter objects; the packed matrices are widened one at a time."""
+    packed = {id(model.get_submodule(name).weight) for name in names} - {id(getattr(wte, "weight", None))}
+    for p in model.parameters():
+        if id(p) not in packed and p.dtype in HALF.values():
+            p.data = p.data.float()
+
+
 def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Module | None, n_layer: int,
                     read: Callable[[str], Tensor] | None) -> None:
     for name in names:
@@ -451,6 +469,9 @@ def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Modul
         weight = module.weight
         if weight.is_meta and read is not None:  # read now, just before it is packed
             weight = nn.Parameter(read(f"{name}.weight"), requires_grad=weight.requires_grad)
+        stored = weight  # the tensor as the model (or the file) had it
+        if weight.dtype != torch.float32:  # a 16-bit model's matrix: widened now, just before it is packed
+            weight = nn.Parameter(weight.detach().float(), requires_grad=weight.requires_grad)
         if mode == "fp32":
             layer = Float32Linear(weight, module.bias, conv)
         elif mode == "int8" or (mode == "q4" and q4_k.keeps_8_bits(name, weight.shape[0 if conv else 1], n_layer)):
@@ -462,9 +483,9 @@ def _replace_layers(model: nn.Module, names: list[str], mode: str, wte: nn.Modul
         setattr(parent, child, layer.train(module.training))
         # The layer reads its own copy: the old weight's pages of a file's map go now, also where
         # the map stays (a tied embedding, which lookups still read; one map of a pytorch_model.bin)
-        if mode != "fp32":
-            release_file_pages(weight)
-        del module, weight  # the fp32 weight's last references: it goes now
+        if mode != "fp32" or stored is not weight:
+            release_file_pages(stored)
+        del module, weight, stored  # the old weight's last references: it goes now
         release_free_memory()  # and the temporaries' pages, before the next layer's are taken
 
 

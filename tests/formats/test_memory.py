@@ -196,6 +196,47 @@ def test_loading_with_quantize_makes_each_fp32_matrix_only_as_it_is_packed(tmp_p
     assert torch.equal(loaded(ids).logits, expected(ids).logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_quantizing_a_16_bit_model_widens_each_matrix_only_as_it_is_packed(monkeypatch, dtype, mode):
+    """quantize() on a model in fp16 or bf16: as each layer is packed, the fp32 matrices widened
+    for the layers before it are gone and the layers after it are still 16-bit."""
+    config = tiny_config(vocab_size=1000, n_positions=64, n_embd=128, n_layer=4)
+    model = randomize(GPT2LMHeadModel(config)).eval().to(dtype)
+    widened, alive, still_16_bit = [], [], []
+    pack = quantize.PackedLinear.__init__
+
+    def packing(self, weight, *args, **kwargs):
+        pack(self, weight, *args, **kwargs)
+        if weight is not model.transformer.wte.weight:  # the tied embedding is widened in place, and stays
+            widened.append(StorageWeakRef(weight.untyped_storage()))
+        alive.append(sum(not ref.expired() for ref in widened))
+        still_16_bit.append({m.weight.dtype for m in model.modules() if isinstance(m, Conv1D)})
+
+    monkeypatch.setattr(quantize.PackedLinear, "__init__", packing)
+    model.quantize(mode)
+    monkeypatch.undo()
+    assert len(alive) == 4 * config.n_layer + 1 and len(widened) == 4 * config.n_layer  # and the tied head
+    assert max(alive) == 1, alive
+    assert all(dtypes <= {dtype} for dtypes in still_16_bit) and still_16_bit[0] == {dtype}, still_16_bit
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_quantizing_a_16_bit_model_gives_back_each_matrix_s_pages_of_its_file(tmp_path, mode):
+    """A 16-bit pytorch_model.bin loaded as stored lies in torch's one map of the file, which stays
+    while any tensor of it does: quantize() unmaps each 16-bit matrix's pages once it is packed
+    (in fp32 mode too, where the layer keeps a widened copy, not the file's tensor)."""
+    randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half().save_pretrained(tmp_path, safe_serialization=False)
+    model = GPT2LMHeadModel.from_pretrained(tmp_path)
+    matrices = [m.weight for m in model.modules() if isinstance(m, Conv1D)]  # kept here: their pages can be read
+    for w in matrices:
+        w.float()  # every page read in
+    assert model.dtype == torch.float16 and all(present_pages(w) >= 30 for w in matrices)
+    model.quantize(mode)
+    assert [present_pages(w) for w in matrices] == [0] * len(matrices)
+
+
 def test_loading_with_quantize_refuses_what_cannot_go_with_it_before_reading(tmp_path):
     missing = tmp_path / "no such folder"
     with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):

@@ -153,8 +153,26 @@ def test_bad_requests_name_the_problem():
     model = GPT2LMHeadModel(tiny_config()).eval()
     with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
         model.quantize("int4")
-    with pytest.raises(ValueError, match="needs an fp32 model, this one is torch.bfloat16"):
-        copy.deepcopy(model).to(torch.bfloat16).quantize("int8")
+    with pytest.raises(ValueError, match="takes an fp32, fp16 or bf16 model; this one has torch.float64 weights"):
+        copy.deepcopy(model).double().quantize("int8")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16", "int8", "q4"])
+def test_a_16_bit_model_quantizes_to_what_its_fp32_widening_quantizes_to(dtype, mode, ids):
+    """A model in fp16 or bf16 (a 16-bit checkpoint as from_pretrained gives it) takes quantize():
+    what stays becomes fp32 (the tied embedding the same Parameter), and it computes and generates
+    what the model widened to fp32 first and then quantized does, to the bit."""
+    model = randomize(GPT2LMHeadModel(tiny_config(n_layer=3)), seed=6, std=0.1).eval().to(dtype)
+    expected = copy.deepcopy(model).float().quantize(mode)
+    wte = model.transformer.wte.weight
+    model.quantize(mode)
+    assert model.transformer.wte.weight is wte and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.dtype == torch.float32
+    assert torch.equal(model(ids).logits, expected(ids).logits)
+    generated = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, expected.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0))
 
 
 def test_cli_generate_quantize_int8(tmp_path, capsys, models):
