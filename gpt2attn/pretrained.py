@@ -124,14 +124,18 @@ class GPT2PreTrainedModel(AdapterMixin, nn.Module):
     def _from_config(cls, config: Any, attn_implementation: str | None = None, dtype: Any = None,
                      torch_dtype: Any = None, **kwargs: Any):
         """cls(config) with random weights, as AutoModel.from_config builds it: attn_implementation
-        recorded in the config first, the weights in dtype (default float32)."""
+        and the dtype recorded in the config first, the weights in dtype (default: the config's
+        dtype, as in transformers; float32 where it has none)."""
         if kwargs:
             raise TypeError(f"_from_config() got unexpected keyword arguments {sorted(kwargs)}")
         if attn_implementation is not None:
             config._attn_implementation = attn_implementation
         dtype = dtype if dtype is not None else torch_dtype
+        if dtype in (None, "auto"):
+            dtype = getattr(config, "dtype", None)
+        config.dtype = dtype = None if dtype == "auto" else as_torch_dtype(dtype)
         model = cls(config)
-        return model.to(as_torch_dtype(dtype)) if dtype not in (None, "auto") else model
+        return model.to(dtype) if dtype is not None else model
 
     def get_compiled_call(self, compile_config: Any = None) -> Any:
         """torch.compile(self.__call__) with compile_config's options (transformers' CompileConfig,

@@ -98,6 +98,12 @@ def test_from_pretrained_takes_attn_implementation(tmp_path):
 def test_from_config_records_the_backend_and_dtype():
     model = GPT2LMHeadModel._from_config(tiny_config(), attn_implementation="eager", dtype=torch.bfloat16)
     assert model.config._attn_implementation == "eager" and model.dtype == torch.bfloat16
+    for cls in (GPT2LMHeadModel, transformers.GPT2LMHeadModel):  # the config's dtype is the default, and recorded
+        assert cls._from_config(hf_config(dtype="bfloat16")).dtype == torch.bfloat16, cls
+        model = cls._from_config(hf_config(dtype="bfloat16"), dtype=torch.float16)
+        assert model.dtype == model.config.dtype == torch.float16, cls
+        model = cls._from_config(hf_config())
+        assert model.dtype == torch.float32 and model.config.dtype is None, cls
 
 
 def saved_dtypes(folder) -> dict:
