@@ -84,7 +84,7 @@ class GPT2Model(GPT2PreTrainedModel):
         if cache is None and use_cache:
             cache = KVCache(cfg.n_layer)
         past_len = cache.length if cache is not None else 0
-        if cache is not None and cache.batch_size not in (None, B):
+        if cache is not None and cache.batch_size is not None and cache.batch_size != B:
             raise ValueError(f"past_key_values hold batch size {cache.batch_size}, input has batch size {B}")
         # Sequences packed into a row (position ids restarting) attend each within its own, as
         # transformers' mask creation makes them without a padding mask or a cache.

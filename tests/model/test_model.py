@@ -235,6 +235,25 @@ def test_compile_fullgraph_has_no_graph_break(model):
     assert type(padded) is tuple and all(max_diff(a, b) <= 1e-5 for a, b in zip(padded[:2], reference[:2]))
 
 
+@pytest.mark.slow
+def test_a_compiled_cached_step_with_a_symbolic_batch_size(model):
+    """Called with a second batch size, torch.compile recompiles with the batch dimension symbolic:
+    the cache's batch check must compare the sizes (it compared them by `in`, which dynamo, for two
+    symbols, answered False: 'hold batch size 2, input has batch size 2')."""
+    torch._dynamo.reset()  # sizes seen by earlier tests' compiles would make it symbolic at once
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        compiled(torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(7)))
+        prefill, expected = compiled(x), model(x)
+        step = compiled(x[:, :1], past_key_values=prefill.past_key_values)
+        assert max_diff(step.logits, model(x[:, :1], past_key_values=expected.past_key_values).logits) <= 1e-5
+        # still refused where the sizes differ (fullgraph raises it as dynamo's error, same message)
+        with pytest.raises(Exception, match="past_key_values hold batch size 2, input has batch size 1"):
+            compiled(x[:1, :1], past_key_values=prefill.past_key_values)
+    torch._dynamo.reset()
+
+
 def test_torch_export_of_the_forward(model):
     x = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(4))
     exported = torch.export.export(model, (x,), {"use_cache": False})
