@@ -21,9 +21,9 @@ back) before the next is read, and each packed weight goes after the one before 
 copy of them. from_pretrained(src, quantize=mode) leaves the matrices unread until each is packed
 (the `read` argument), so whatever the file, its fp32 matrices are never all in memory at once
 (docs/cpu-decoding.md, Memory). A model already in fp16 or bf16 is widened the same way: what
-stays becomes fp32, and each matrix is widened only as it is packed. A head tied to the embedding goes first: once its copy is packed, the
-embedding's pages of a mapped file are unmapped (memory.release_file_pages), and lookups map back
-the rows they use.
+stays becomes fp32, and each matrix is widened only as it is packed. A head tied to the
+embedding goes first: once its copy is packed, the embedding's pages of a mapped file are
+unmapped (memory.release_file_pages), and lookups map back the rows they use.
 
 The model stays a gpt2attn model: generate, the KV cache and the inspect taps (on Block,
 Attention and MLP, around these layers) work unchanged. Embeddings, LayerNorms and attention stay
@@ -414,7 +414,7 @@ def packed_layers(model: nn.Module) -> list[str]:
 
 
 def quantize(model: nn.Module, mode: str = "int8", read: Callable[[str], Tensor] | None = None) -> nn.Module:
-    """Make `model` (fp32, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
+    """Make `model` (fp32, fp16 or bf16, on the CPU) decode fast in `mode` ('fp32', 'fp16', 'bf16', 'int8' or 'q4'),
     in place, and return it: see this module's docstring.
 
     A model in fp16 or bf16 (as `from_pretrained` gives a 16-bit checkpoint by default) is widened
@@ -430,7 +430,8 @@ def quantize(model: nn.Module, mode: str = "int8", read: Callable[[str], Tensor]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta}
     if not dtypes <= set(MODEL_DTYPES):
         other = sorted(str(d) for d in dtypes - set(MODEL_DTYPES))
-        raise ValueError(f"quantize({mode!r}) takes an fp32, fp16 or bf16 model; this one has {', '.join(other)} weights")
+        raise ValueError(f"quantize({mode!r}) takes an fp32, fp16 or bf16 model; "
+                         f"this one has {', '.join(other)} weights")
     cpu_kernels.library()  # build the kernels now (or warn once that plain torch will do)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     n_layer = getattr(getattr(model, "config", None), "n_layer", 0)

@@ -227,7 +227,8 @@ def test_quantizing_a_16_bit_model_gives_back_each_matrix_s_pages_of_its_file(tm
     """A 16-bit pytorch_model.bin loaded as stored lies in torch's one map of the file, which stays
     while any tensor of it does: quantize() unmaps each 16-bit matrix's pages once it is packed
     (in fp32 mode too, where the layer keeps a widened copy, not the file's tensor)."""
-    randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half().save_pretrained(tmp_path, safe_serialization=False)
+    half = randomize(GPT2LMHeadModel(tiny_config(n_embd=256, n_layer=2))).half()
+    half.save_pretrained(tmp_path, safe_serialization=False)
     model = GPT2LMHeadModel.from_pretrained(tmp_path)
     matrices = [m.weight for m in model.modules() if isinstance(m, Conv1D)]  # kept here: their pages can be read
     for w in matrices:

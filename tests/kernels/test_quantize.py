@@ -167,8 +167,10 @@ def test_a_16_bit_model_quantizes_to_what_its_fp32_widening_quantizes_to(dtype, 
     model = randomize(GPT2LMHeadModel(tiny_config(n_layer=3)), seed=6, std=0.1).eval().to(dtype)
     expected = copy.deepcopy(model).float().quantize(mode)
     wte = model.transformer.wte.weight
+    model.requires_grad_(False)  # frozen stays frozen (fp32 mode keeps the widened weights as parameters)
     model.quantize(mode)
     assert model.transformer.wte.weight is wte and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in model.parameters())
     assert model.dtype == torch.float32
     assert torch.equal(model(ids).logits, expected(ids).logits)
     generated = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
