@@ -149,6 +149,13 @@ def test_base_model_and_untied_head(ids):
     assert untied.state_dict()["lm_head.weight"].data_ptr() != untied.transformer.wte.weight.data_ptr()
 
 
+def test_without_a_mode_quantize_makes_int8_layers():
+    from gpt2attn.quantize import quantize
+
+    for model in (quantize(GPT2LMHeadModel(tiny_config()).eval()), GPT2LMHeadModel(tiny_config()).eval().quantize()):
+        assert set(map(type, (model.lm_head, model.transformer.h[0].attn.c_attn))) == {Int8Linear}
+
+
 def test_bad_requests_name_the_problem():
     model = GPT2LMHeadModel(tiny_config()).eval()
     with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
