@@ -143,10 +143,14 @@ def test_base_model_and_untied_head(ids):
     assert relative_error(body(ids).last_hidden_state, expected) < 0.1
     untied = randomize(GPT2LMHeadModel(tiny_config(tie_word_embeddings=False)), seed=4, std=0.1).eval()
     expected = untied(ids).logits
+    head = untied.lm_head.weight.detach().clone()
     untied.quantize("int8")
     assert type(untied.lm_head) is Int8Linear
     assert relative_error(untied(ids).logits, expected) < 0.1
-    assert untied.state_dict()["lm_head.weight"].data_ptr() != untied.transformer.wte.weight.data_ptr()
+    saved = untied.state_dict()["lm_head.weight"]
+    assert saved.data_ptr() != untied.transformer.wte.weight.data_ptr()
+    # the weight it computes with (int8 widened back), not the fp32 one it was made from (kept alive)
+    assert torch.equal(saved, untied.lm_head.hf_weight()) and not torch.equal(saved, head)
 
 
 def test_without_a_mode_quantize_makes_int8_layers():
