@@ -226,7 +226,8 @@ class GGUFFile:
 
     def tensor(self, name: str) -> Tensor:
         """A tensor as float32 in its numpy shape (rows = ne[1]): see read_tensor."""
-        return read_tensor(self.path, name, self.tensors[name])
+        check_readable(self.path, name, self.tensors[name][0])
+        return read_tensor(self.path, self.tensors[name])
 
 
 def check_readable(path: Path, name: str, kind: str) -> None:
@@ -238,13 +239,12 @@ def check_readable(path: Path, name: str, kind: str) -> None:
         _gguf()
 
 
-def read_tensor(path: Path, name: str, entry: tuple, transpose: bool = False) -> Tensor:
+def read_tensor(path: Path, entry: tuple, transpose: bool = False) -> Tensor:
     """The tensor `entry` (kind, ne, start, length) of the GGUF file at `path` as float32 in its
     numpy shape (rows = ne[1]; transposed if asked), through a map of its own, so the file's pages
     leave with it: F32 a view of the file, F16 and BF16 widened, quantized types dequantized by the
-    gguf package's reference code."""
+    gguf package's reference code. Its kind was checked by the caller (check_readable)."""
     kind, ne, start, length = entry
-    check_readable(path, name, kind)
     shape = tuple(reversed(ne))
     with open(path, "rb") as f:
         raw = mapped_bytes(f, start, length)
@@ -324,7 +324,7 @@ def read(path: Path) -> tuple[GPT2Config, dict[str, Tensor], Any]:
         # F32 tensors are views of the file, read as used; the others are made in fp32 only when
         # the loader uses them (read_later), so quantize= never holds every one of them at once
         transpose = name.endswith(LINEARS)
-        read_it = functools.partial(read_tensor, path, name, file.tensors[name], transpose)
+        read_it = functools.partial(read_tensor, path, file.tensors[name], transpose)
         shape = tuple(ne) if transpose else tuple(reversed(ne))
         state[ours] = read_it() if kind == "F32" else read_later(shape, torch.float32, read_it)
     config.tie_word_embeddings = tied
